@@ -1,0 +1,29 @@
+# Two entry points for a fresh machine (see README): `make demo` and `make test`.
+# Both create the virtual environment at .venv when it is missing and reuse it when present.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: install install-test demo test lint
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch is pinned and installed first: with 2.13.0 present, the package's `torch>=2.4` installs nothing more.
+install: $(PY)
+	$(PIP) torch==2.13.0
+	$(PIP) -e .
+
+install-test: $(PY)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test]'
+
+demo: install
+	$(VENV)/bin/kvserve generate "What is the capital of France?"
+
+test: install-test
+	$(PY) -m pytest -q tests
+
+lint: install-test
+	$(VENV)/bin/ruff check kvserve tests benchmarks

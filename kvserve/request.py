@@ -1,0 +1,104 @@
+"""Request state inside the engine core (pure Python; the model runner never sees these objects)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from kvserve.core.hashing import BlockHash, hash_block_tokens
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is a finished state.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class EngineCoreRequest:
+    """What the frontend sends to the engine core: already tokenized and validated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    arrival_time: float
+
+
+class Request:
+    """A request as the scheduler tracks it.
+
+    `all_token_ids` = prompt + generated tokens. `num_computed_tokens` counts tokens whose KV is in the cache
+    (or scheduled to be written by the step in flight). `block_hashes[i]` is the chained hash of tokens
+    [i*block_size, (i+1)*block_size) and exists only for full blocks.
+    """
+
+    def __init__(self, core_req: EngineCoreRequest, block_size: int, max_tokens: int) -> None:
+        self.request_id = core_req.request_id
+        self.sampling_params = core_req.sampling_params
+        self.eos_token_ids = core_req.eos_token_ids
+        self.arrival_time = core_req.arrival_time or time.time()
+        self.prompt_token_ids = list(core_req.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # Prompt tokens found in the prefix cache at first admission (reported back to the user).
+        self.num_cached_tokens = -1
+
+        self.block_size = block_size
+        salt = self.sampling_params.cache_salt
+        self._first_block_extra_keys: tuple | None = (salt,) if salt else None
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.num_tokens % self.block_size == 0:
+            self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        bs = self.block_size
+        tokens = self.all_token_ids
+        for i in range(len(self.block_hashes), len(tokens) // bs):
+            parent = self.block_hashes[i - 1] if i > 0 else None
+            extra = self._first_block_extra_keys if i == 0 else None
+            self.block_hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
