@@ -44,6 +44,8 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     arrival_time: float
+    # Resolved by the frontend: the user's max_tokens, or whatever room is left up to max_model_len.
+    max_tokens: int
 
 
 class Request:
@@ -54,7 +56,7 @@ class Request:
     [i*block_size, (i+1)*block_size) and exists only for full blocks.
     """
 
-    def __init__(self, core_req: EngineCoreRequest, block_size: int, max_tokens: int) -> None:
+    def __init__(self, core_req: EngineCoreRequest, block_size: int) -> None:
         self.request_id = core_req.request_id
         self.sampling_params = core_req.sampling_params
         self.eos_token_ids = core_req.eos_token_ids
@@ -63,7 +65,7 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
-        self.max_tokens = max_tokens
+        self.max_tokens = core_req.max_tokens
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _MAX_TOP_LOGPROBS = 20
 
@@ -39,8 +39,6 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Extra key mixed into the first block hash, so tenants who must not share cached prefixes don't.
     cache_salt: str | None = None
-    # Filled by the engine from the model's generation config; not user-facing.
-    _eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:

@@ -18,6 +18,7 @@ class NewRequestData:
     # Tokens generated before a preemption (empty for a fresh request): the runner re-feeds them as context.
     output_token_ids: list[int]
     sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
     block_ids: list[int]
     num_computed_tokens: int  # before this step (prefix-cache hits)
 

@@ -140,6 +140,7 @@ class Scheduler:
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=list(request.output_token_ids),
                     sampling_params=request.sampling_params,
+                    eos_token_ids=request.eos_token_ids,
                     block_ids=block_ids,
                     num_computed_tokens=num_hit_tokens,
                 )

@@ -16,8 +16,8 @@ def make_request(
     req_id: str, prompt: list[int], max_tokens: int = 8, block_size: int = 4, **params
 ) -> Request:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
-    core_req = EngineCoreRequest(req_id, prompt, sp, frozenset({EOS}), arrival_time=0.0)
-    return Request(core_req, block_size=block_size, max_tokens=max_tokens)
+    core_req = EngineCoreRequest(req_id, prompt, sp, frozenset({EOS}), arrival_time=0.0, max_tokens=max_tokens)
+    return Request(core_req, block_size=block_size)
 
 
 def make_scheduler(

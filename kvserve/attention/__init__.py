@@ -1,0 +1,1 @@
+"""Attention backends: paged KV writes through slot mappings, reads through block tables."""

@@ -1,0 +1,61 @@
+"""The attention backend interface.
+
+The runner describes a step's batch once (`AttentionInputs`, numpy); the backend turns that into its own
+metadata once per step, and every layer calls `forward` with that metadata and its own KV cache. Nothing is
+stored globally: the metadata object is passed explicitly through the model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+# One layer's cache: (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class AttentionInputs:
+    """A step's batch as the runner lays it out. Requests with a single query token ("decodes") come first.
+
+    Every array is indexed by request (R of them) except slot_mapping, which is per token (T).
+    """
+
+    num_decodes: int
+    query_start_loc: np.ndarray  # [R + 1] int64, offsets of each request's query tokens
+    seq_lens: np.ndarray  # [R] int64, context length after this step (cached + new tokens)
+    block_table: np.ndarray  # [R, max_blocks] int32, padded with 0 past each request's blocks
+    slot_mapping: np.ndarray  # [T] int64, where each new token's K/V is written
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    @abstractmethod
+    def build_metadata(self, inputs: AttentionInputs) -> Any:
+        """Called once per step; the result is handed to every layer."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: KVCache,
+        metadata: Any,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k/v of the new tokens into the cache, then attend over each request's whole context.
+
+        All writes of the step happen before any read, so a request may read blocks that another request of
+        the same step is filling (prefix-cache hits on blocks scheduled in that step). Returns
+        [T, num_heads * head_dim].
+        """

@@ -1,0 +1,1 @@
+"""The engine: EngineCore (schedule -> execute -> update) and the frontend around it."""

@@ -1,0 +1,54 @@
+"""EngineCore: the schedule -> execute -> update loop. No I/O; the frontend or a process wrapper drives it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+
+from kvserve.config import EngineConfig
+from kvserve.core.scheduler import Scheduler
+from kvserve.outputs import EngineCoreOutput
+from kvserve.request import EngineCoreRequest, Request, RequestStatus
+from kvserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config.model, config.cache, config.scheduler)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
+
+    @property
+    def max_tokens_per_request(self) -> int:
+        return self.scheduler.max_tokens_per_request
+
+    def add_request(self, core_req: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request(core_req, self.config.cache.block_size))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def get_stats(self) -> dict:
+        """KV usage, scheduler queues and prefix-cache counters as plain values."""
+        sched = self.scheduler.make_stats()
+        cache = self.scheduler.kv.stats
+        return {
+            **asdict(sched),
+            "block_size": self.config.cache.block_size,
+            "prefix_cache": {**asdict(cache), "hit_rate": cache.hit_rate},
+        }

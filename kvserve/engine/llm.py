@@ -1,0 +1,145 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.processor import PromptType
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.utils import next_request_id
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine in this process for batch generation.
+
+    Example:
+        llm = LLM()  # the embedded SmolLM2-135M-Instruct
+        out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(temperature=0, max_tokens=32))
+        print(out[0].outputs[0].text)
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        num_kv_blocks: int | None = None,
+    ) -> None:
+        args = EngineArgs(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            num_kv_blocks=num_kv_blocks,
+        )
+        self.engine = LLMEngine.from_engine_args(args)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        If any prompt is invalid, a ValueError is raised and none of them runs.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt"
+                )
+
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                request_id = next_request_id()
+                self.engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = self.engine.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            # The template already writes every special token; the tokenizer must not add a BOS of its own.
+            ids = self.engine.tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stats(self) -> dict:
+        """KV usage (blocks held by requests), queue sizes, preemptions and prefix-cache counters."""
+        return self.engine.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.engine_core.reset_prefix_cache()
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        num_out_tokens = 0
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+                    num_out_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    bar.update(1)
+                    rate = num_out_tokens / max(bar.format_dict["elapsed"], 1e-6)
+                    bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+        bar.close()
+        return [results[r] for r in request_ids]

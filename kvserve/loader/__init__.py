@@ -1,0 +1,1 @@
+"""Finding and reading model files: HF folders, GGUF files, the embedded default model, tokenizers."""

@@ -1,0 +1,95 @@
+"""Read a single GGUF file: metadata -> ArchConfig, tensors dequantized (by the `gguf` package) to HF names."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserve.config import ArchConfig
+from kvserve.loader.arch_config import arch_config_from_gguf
+
+# GGUF tensor name -> HF name (`{i}` is the layer index).
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str):
+    """One parse per file (~3 s for SmolLM2's 49k-token vocabulary), shared by config and weight loading."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def read_gguf_metadata(path: str) -> tuple[dict[str, Any], set[str]]:
+    """Scalar metadata fields (the big tokenizer arrays are skipped) and the tensor names."""
+    reader = _reader(path)
+    fields = {}
+    for key, field in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                   "tokenizer.ggml.scores"):
+            continue
+        fields[key] = field.contents()
+    return fields, {t.name for t in reader.tensors}
+
+
+def gguf_arch_config(path: str) -> ArchConfig:
+    fields, names = read_gguf_metadata(path)
+    return arch_config_from_gguf(fields, names)
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def undo_rope_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter reorders each head's q/k rows from HF's rotate-half layout to interleaved pairs;
+    put them back so one RoPE implementation serves both formats."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iterate_gguf(path: str, cfg: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    reader = _reader(path)
+    # Only the llama architecture is permuted by the converter; qwen2/qwen3 keep the HF (NeoX) layout.
+    permuted = reader.fields["general.architecture"].contents() == "llama"
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        name = hf_name(t.name)
+        if permuted and name.endswith("q_proj.weight"):
+            w = undo_rope_permutation(w, cfg.num_attention_heads)
+        elif permuted and name.endswith("k_proj.weight"):
+            w = undo_rope_permutation(w, cfg.num_key_value_heads)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if not w.flags.writeable:  # F32 tensors come back as views of the read-only memory map
+            w = w.copy()
+        yield name, torch.from_numpy(w)

@@ -1,0 +1,206 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window), also the base of Qwen2/Qwen3.
+
+Differences between the family members are flags on ArchConfig: `attention_bias` (Qwen2's q/k/v biases) and
+`qk_norm` (Qwen3's per-head RMSNorm on q and k before RoPE). q/k/v and gate/up projections are fused into one
+matmul each; `load_weights` maps HF tensor names onto the fused shards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.attention.base import AttentionBackend, KVCache
+from kvserve.config import ArchConfig
+from kvserve.layers.activation import silu_and_mul
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary  # shared by all layers
+        self.backend = backend
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, attn_metadata: Any
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend, rotary)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        attn_metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, attn_metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]; the embedding matrix itself when embeddings are tied."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        """Returns the last layer's hidden states before the final norm, and the residual stream summed in:
+        [T, hidden]. `compute_logits` applies the final norm only to the rows that are sampled."""
+        x = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+        return x + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (pre-norm) -> logits [N, vocab] in fp32."""
+        return F.linear(self.model.norm(hidden), self.lm_head_weight).float()
+
+    # ------------------------------------------------------------------ weights
+
+    # HF name fragment -> (fused parameter fragment, shard index)
+    _STACKED = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters; every parameter must be filled exactly once."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for frag, (fused, idx) in self._STACKED.items():
+                if frag in name:
+                    target, shard = name.replace(frag, fused), idx
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            with torch.no_grad():
+                if shard is None:
+                    _checked_copy(param, tensor, name)
+                else:
+                    _checked_copy(param.narrow(0, *self._shard_range(target, shard)), tensor, name)
+            filled.add(f"{target}#{shard}")
+        missing = []
+        for pname in params:
+            shards = self._num_shards(pname)
+            if shards is None:
+                if f"{pname}#None" not in filled:
+                    missing.append(pname)
+            else:
+                missing += [f"{pname}[{i}]" for i in range(shards) if f"{pname}#{i}" not in filled]
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+    def _num_shards(self, pname: str) -> int | None:
+        if ".qkv_proj." in pname:
+            return 3
+        if ".gate_up_proj." in pname:
+            return 2
+        return None
+
+    def _shard_range(self, pname: str, shard: int) -> tuple[int, int]:
+        cfg = self.config
+        if ".qkv_proj." in pname:
+            q = cfg.num_attention_heads * cfg.head_dim
+            kv = cfg.num_key_value_heads * cfg.head_dim
+            return [(0, q), (q, kv), (q + kv, kv)][shard]
+        inter = cfg.intermediate_size
+        return (shard * inter, inter)
+
+
+def _checked_copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(src.shape)} vs model {tuple(dst.shape)}")
+    dst.copy_(src)

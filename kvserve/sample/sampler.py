@@ -1,0 +1,171 @@
+"""Batched sampling: penalties, temperature, min-p/top-k/top-p, greedy or random draw, logprobs.
+
+Order (as in vLLM): raw logprobs are taken from the model's logits before anything else; then min_tokens
+masking, penalties, the greedy pick; then temperature, min-p, top-k, top-p and a random draw for the rest.
+
+Random draws use the exponential-race form of categorical sampling: argmax(p / E) with E ~ Exp(1) i.i.d. picks
+token i with probability p_i. Each seeded request draws its E from a generator seeded by (seed, position), so
+its tokens depend on nothing else in the batch and survive preemption and recomputation unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling inputs for the rows being sampled this step (B rows).
+
+    Optional tensors are None when no row needs the feature, so the common cases skip the work entirely.
+    """
+
+    all_greedy: bool
+    temperature: torch.Tensor | None  # [B] fp32; 0 for greedy rows
+    top_k: torch.Tensor | None  # [B] int64; vocab size where disabled
+    top_p: torch.Tensor | None  # [B] fp32; 1 where disabled
+    min_p: torch.Tensor | None  # [B] fp32; 0 where disabled
+    # row -> (seed, position of the token being sampled); rows absent use the shared generator.
+    seeds: dict[int, tuple[int, int]]
+    generator: torch.Generator | None  # shared, for unseeded random rows
+    presence_penalty: torch.Tensor | None  # [B]
+    frequency_penalty: torch.Tensor | None  # [B]
+    repetition_penalty: torch.Tensor | None  # [B]
+    output_token_ids: list[list[int]] | None  # per row, when penalties are on
+    prompt_token_ids: list[list[int]] | None  # per row, when the repetition penalty is on
+    # (row, token ids) pairs whose tokens are forbidden this step (stop tokens before min_tokens).
+    banned_tokens: list[tuple[int, list[int]]]
+    max_num_logprobs: int | None  # top-N to return; None when no row asked
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    # When logprobs were asked: ids [B, N+1] and logprobs [B, N+1] (sampled token first) and ranks [B].
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """logits [B, V] fp32 (not modified in place)."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
+
+        if md.banned_tokens:
+            logits = logits.clone()
+            for row, token_ids in md.banned_tokens:
+                logits[row, token_ids] = float("-inf")
+        if md.repetition_penalty is not None or md.presence_penalty is not None:
+            logits = apply_penalties(logits, md)
+
+        greedy = logits.argmax(dim=-1)
+        if md.all_greedy:
+            sampled = greedy
+        else:
+            assert md.temperature is not None
+            sampled = self._random_sample(logits, md)
+            sampled = torch.where(md.temperature == 0, greedy, sampled)
+
+        out = SamplerOutput(sampled_token_ids=sampled)
+        if raw_logprobs is not None:
+            assert md.max_num_logprobs is not None
+            sampled_lp = raw_logprobs.gather(1, sampled[:, None])  # [B, 1]
+            out.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
+            if md.max_num_logprobs > 0:
+                top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
+                out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
+                out.logprob_token_ids = torch.cat([sampled[:, None], top_ids], dim=1)
+            else:
+                out.logprobs, out.logprob_token_ids = sampled_lp, sampled[:, None]
+        return out
+
+    def _random_sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        assert md.temperature is not None
+        # Greedy rows get temperature 1 here; their pick is taken from the argmax above anyway.
+        temp = torch.where(md.temperature == 0, 1.0, md.temperature)
+        logits = logits / temp[:, None]
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        if md.top_k is not None or md.top_p is not None:
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        seeded_rows = md.seeds.keys()
+        if len(seeded_rows) < probs.shape[0]:
+            noise.exponential_(generator=md.generator)
+        for row, (seed, position) in md.seeds.items():
+            noise[row].exponential_(generator=_position_generator(seed, position))
+        return (probs / noise).argmax(dim=-1)
+
+
+def _position_generator(seed: int, position: int) -> torch.Generator:
+    mixed = xxhash.xxh64_intdigest(f"{seed}:{position}".encode()) & ((1 << 63) - 1)
+    return torch.Generator().manual_seed(mixed)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep the k most likely tokens (ties with the k-th kept too), then the smallest set of most likely tokens
+    whose probability mass reaches p (at least one token always survives)."""
+    if top_p is None:
+        assert top_k is not None
+        kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).clamp(min=0)[:, None])
+        return logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        vocab = logits.shape[-1]
+        kth = sorted_logits.gather(1, (vocab - top_k).clamp(min=0)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Ascending order: drop the low-probability tail whose total mass is at most 1 - p.
+    tail_mass = probs.cumsum(dim=-1)
+    drop = tail_mass <= (1 - top_p[:, None])
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """vLLM/OpenAI semantics: repetition divides positive (multiplies negative) logits of tokens seen in the
+    prompt or output; frequency subtracts penalty x count in the output; presence subtracts it once."""
+    b, vocab = logits.shape
+    assert md.output_token_ids is not None
+    counts = _token_counts(md.output_token_ids, b, vocab)
+    logits = logits.clone()
+    if md.repetition_penalty is not None:
+        assert md.prompt_token_ids is not None
+        seen = (counts > 0) | (_token_counts(md.prompt_token_ids, b, vocab) > 0)
+        rp = md.repetition_penalty[:, None].expand_as(logits)
+        penalized = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen, penalized, logits)
+    if md.frequency_penalty is not None:
+        logits -= md.frequency_penalty[:, None] * counts
+    if md.presence_penalty is not None:
+        logits -= md.presence_penalty[:, None] * (counts > 0).float()
+    return logits
+
+
+def _token_counts(token_ids: list[list[int]], b: int, vocab: int) -> torch.Tensor:
+    """[B, V] fp32 occurrence counts of each token id per row."""
+    width = max((len(t) for t in token_ids), default=0)
+    if width == 0:
+        return torch.zeros(b, vocab, dtype=torch.float32)
+    ids = torch.full((b, width), vocab, dtype=torch.int64)  # padding goes to an extra column, cut below
+    for row, toks in enumerate(token_ids):
+        if toks:
+            ids[row, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
+    padded = torch.zeros(b, vocab + 1, dtype=torch.float32)
+    padded.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return padded[:, :vocab]

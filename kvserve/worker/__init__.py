@@ -1,0 +1,1 @@
+"""Model execution: persistent per-request inputs, forward pass, sampling."""

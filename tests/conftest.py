@@ -1,0 +1,159 @@
+"""Shared fixtures: the embedded SmolLM2 GGUF, tiny random HF models built locally, an HF greedy reference."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+# Tests never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+warnings.filterwarnings("ignore", message=".*non-writable.*")
+
+TINY_VOCAB_NOTE = "tiny models reuse SmolLM2's tokenizer (vocab 49152) so text and chat paths work"
+
+# name -> (HF config class name, config overrides)
+TINY_MODELS = {
+    "llama-gqa-untied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama-mqa-tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
+    "llama3-rope-scaling": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "mistral-gqa": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+    "qwen2-bias-tied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-mqa-untied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False)),
+    "qwen3-qknorm": (
+        "Qwen3Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+    ),
+    "qwen3-mqa-tied": (
+        "Qwen3Config",
+        dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True),
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """kvserve's model/tokenizer cache: the user's if it exists (CI warms it once), else a temp dir."""
+    return os.environ.get("KVSERVE_CACHE_DIR") or str(tmp_path_factory.mktemp("kvserve-cache"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    from kvserve.loader.default_model import DEFAULT_MODEL, resolve_model_path
+
+    return resolve_model_path(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    from kvserve.loader.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_gguf)
+
+
+def build_tiny_model(name: str, folder: str, tokenizer) -> str:
+    import transformers
+
+    cls_name, overrides = TINY_MODELS[name]
+    config_cls = getattr(transformers, cls_name)
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        # Larger than HF's 0.02 (embeddings stay at 0.02, below): the residual stream is then not dominated by
+        # the current token's embedding, and greedy outputs are diverse (~30 distinct tokens in 32) instead of
+        # echoing one token, so later positions really test attention over the context.
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    kwargs.update(overrides)
+    config = config_cls(**kwargs)
+    torch.manual_seed(hash(name) % 2**31)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            # HF initialises biases to 0 and norms to 1, which would let a missing bias or norm go unnoticed.
+            if pname.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+            elif "norm" in pname:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "embed_tokens" in pname:
+                p.normal_(0.0, 0.02)
+        if config.tie_word_embeddings:
+            # Tied logits use the small embedding matrix; scale them up to the untied models' range so that the
+            # top-2 logit gaps stay far above fp32 rounding.
+            model.model.norm.weight.mul_(10.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, smollm2_tokenizer):
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            folder = str(tmp_path_factory.mktemp(f"tiny-{name}"))
+            built[name] = build_tiny_model(name, folder, smollm2_tokenizer)
+        return built[name]
+
+    return get
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """Reference greedy decoding with HF's own KV cache, one token at a time (no generate() heuristics)."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    past = out.past_key_values
+    tokens: list[int] = []
+    nxt = out.logits[0, -1].argmax()
+    for i in range(num_tokens):
+        tokens.append(int(nxt))
+        if i == num_tokens - 1:
+            break
+        out = model(nxt.view(1, 1), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        nxt = out.logits[0, -1].argmax()
+    return tokens
+
+
+def load_hf_model(path: str, gguf_file: str | None = None):
+    import transformers
+
+    kwargs = dict(dtype=torch.float32, attn_implementation="eager")
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model.eval()
+
+
+def assert_all_blocks_free(llm) -> None:
+    stats = llm.stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"], stats
+    pool = llm.engine.engine_core.scheduler.kv.pool
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
