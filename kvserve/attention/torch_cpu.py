@@ -31,7 +31,7 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
     num_decodes: int
     decode_block_table: torch.Tensor | None  # [D, max_blocks] int64
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size], 0 or -inf, model dtype
+    decode_pad_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool, True past each sequence
     prefills: list[_PrefillSpan]
 
 
@@ -45,14 +45,13 @@ class TorchAttentionBackend(AttentionBackend):
         bs = inputs.block_size
         num_decodes = inputs.num_decodes
         seq_lens = inputs.seq_lens
-        decode_block_table = decode_mask = None
+        decode_block_table = decode_pad_mask = None
         if num_decodes:
             d_lens = torch.from_numpy(seq_lens[:num_decodes])
             num_blocks = -(-int(d_lens.max()) // bs)
             decode_block_table = torch.from_numpy(inputs.block_table[:num_decodes, :num_blocks]).long()
             past_end = torch.arange(num_blocks * bs)[None, :] >= d_lens[:, None]
-            decode_mask = torch.zeros(past_end.shape, dtype=self.dtype).masked_fill_(past_end, float("-inf"))
-            decode_mask = decode_mask[:, None, None, :]
+            decode_pad_mask = past_end[:, None, None, :]
         prefills = []
         qsl = inputs.query_start_loc
         for i in range(num_decodes, len(seq_lens)):
@@ -69,7 +68,7 @@ class TorchAttentionBackend(AttentionBackend):
             slot_mapping=torch.from_numpy(inputs.slot_mapping),
             num_decodes=num_decodes,
             decode_block_table=decode_block_table,
-            decode_mask=decode_mask,
+            decode_pad_mask=decode_pad_mask,
             prefills=prefills,
         )
 
@@ -85,9 +84,11 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache, value_cache = kv_cache
         num_tokens = q.shape[0]
         hkv, hd = self.num_kv_heads, self.head_dim
-        # Every write before any read (see AttentionBackend.forward).
-        key_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, k)
-        value_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, v)
+        # Every write before any read (see AttentionBackend.forward). Decodes read whole padded blocks, and a
+        # masked weight of 0 times a stale NaN is still NaN; so the cache never takes a non-finite value, and one
+        # broken request cannot poison the requests that reuse its blocks later.
+        key_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, torch.nan_to_num(k))
+        value_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, torch.nan_to_num(v))
 
         out = torch.empty(num_tokens, self.num_heads, hd, dtype=q.dtype)
         d = metadata.num_decodes
@@ -106,7 +107,7 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        assert metadata.decode_block_table is not None and metadata.decode_mask is not None
+        assert metadata.decode_block_table is not None and metadata.decode_pad_mask is not None
         d = q.shape[0]
         hkv, hd = self.num_kv_heads, self.head_dim
         table = metadata.decode_block_table
@@ -116,7 +117,7 @@ class TorchAttentionBackend(AttentionBackend):
         values = value_cache[table].view(d, ctx_len, hkv, hd).transpose(1, 2)
         qg = q.view(d, hkv, self.group, hd)
         scores = torch.matmul(qg, keys.transpose(2, 3)) * scale  # [D, Hkv, G, L]
-        scores = scores + metadata.decode_mask
+        scores.masked_fill_(metadata.decode_pad_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, values).view(d, self.num_heads, hd)  # [D, Hkv, G, hd]
 

@@ -59,6 +59,12 @@ class LLM:
         )
         self.engine = LLMEngine.from_engine_args(args)
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine.from_engine_args(args)
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

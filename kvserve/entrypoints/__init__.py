@@ -1,0 +1,1 @@
+"""Entry points: the CLI (and, later, the OpenAI-compatible server)."""

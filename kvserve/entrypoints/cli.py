@@ -1,0 +1,129 @@
+"""`kvserve` command line: `kvserve generate "prompt"`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from kvserve.engine.arg_utils import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every subcommand that builds an engine."""
+    d = EngineArgs()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF model folder, .gguf file, or embedded model name (default: smollm2-135m-instruct)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder or .gguf (default: the model's)")
+    g.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CPU), bfloat16 or float32")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed for requests without their own")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default: 2048)")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=_bytes, default=None,
+                   help="KV cache budget, e.g. 2GiB or 512MiB (default: 40%% of free RAM, at most 4 GiB)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps, next to running decodes")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=ns.model,
+        tokenizer=ns.tokenizer,
+        dtype=ns.dtype,
+        seed=ns.seed,
+        max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        block_size=ns.block_size,
+        kv_cache_memory=ns.kv_cache_memory,
+        num_kv_blocks=ns.num_kv_blocks,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        enable_chunked_prefill=ns.enable_chunked_prefill,
+    )
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+             "kb": 1000, "mb": 1000**2, "gb": 1000**3, "b": 1}
+    t = text.strip().lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * units[suffix])
+    return int(t)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from kvserve.engine.llm import LLM
+    from kvserve.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        max_tokens=ns.max_tokens,
+        seed=ns.sampling_seed,
+    )
+    start = time.perf_counter()
+    llm = LLM.from_engine_args(engine_args_from(ns))
+    loaded = time.perf_counter()
+    tokenizer = llm.get_tokenizer()
+    use_chat = ns.chat if ns.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+    if use_chat:
+        out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
+    else:
+        out = llm.generate(ns.prompt, params, use_tqdm=False)
+    done = time.perf_counter()
+    completion = out[0].outputs[0]
+    print(completion.text.strip() if use_chat else ns.prompt + completion.text)
+    n = len(completion.token_ids)
+    print(
+        f"[{n} tokens in {done - loaded:.2f}s ({n / max(done - loaded, 1e-9):.1f} tok/s), "
+        f"model loaded in {loaded - start:.1f}s, finish_reason={completion.finish_reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference engine")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine progress")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the result")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap the prompt in the model's chat template (default: when the model has one)")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if ns.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return ns.func(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The torch CPU paged-attention backend against plain per-sequence causal attention."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.attention.base import AttentionInputs
+from kvserve.attention.torch_cpu import TorchAttentionBackend
+
+
+def reference_attention(q, k, v, scale):
+    """q [Q, H, D] for the last Q positions of a sequence whose keys/values are k, v [S, Hkv, D]."""
+    num_q, num_heads, _ = q.shape
+    s, num_kv, _ = k.shape
+    group = num_heads // num_kv
+    k = k.repeat_interleave(group, dim=1).float()
+    v = v.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,shd->hqs", q.float(), k) * scale
+    q_pos = torch.arange(s - num_q, s)[:, None]
+    scores = scores.masked_fill(torch.arange(s)[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_mixed_batch_matches_reference(dtype, atol, num_heads, num_kv_heads, block_size):
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    head_dim = 32
+    # (cached context, new query tokens): decodes first, then prefill chunks with and without context.
+    seqs = [(7, 1), (0, 1), (40, 1), (0, 13), (21, 5), (3, 30)]
+    num_blocks = sum(math.ceil((c + n) / block_size) for c, n in seqs) + 5
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    # Blocks handed out in shuffled order, as a real pool does after churn.
+    free = list(rng.permutation(num_blocks))
+    max_blocks = max(math.ceil((c + n) / block_size) for c, n in seqs)
+    block_table = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+    full_k, full_v = [], []
+    for i, (ctx, n) in enumerate(seqs):
+        nb = math.ceil((ctx + n) / block_size)
+        block_table[i, :nb] = [free.pop() for _ in range(nb)]
+        full_k.append(torch.randn(ctx + n, num_kv_heads, head_dim).to(dtype))
+        full_v.append(torch.randn(ctx + n, num_kv_heads, head_dim).to(dtype))
+        # The cached context is already in the cache; the new tokens' K/V arrive with the call.
+        for pos in range(ctx):
+            b, off = block_table[i, pos // block_size], pos % block_size
+            key_cache[b, off] = full_k[i][pos]
+            value_cache[b, off] = full_v[i][pos]
+
+    q_lens = np.array([n for _, n in seqs])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    slots = []
+    for i, (ctx, n) in enumerate(seqs):
+        for pos in range(ctx, ctx + n):
+            slots.append(int(block_table[i, pos // block_size]) * block_size + pos % block_size)
+    inputs = AttentionInputs(
+        num_decodes=3,
+        query_start_loc=qsl,
+        seq_lens=np.array([c + n for c, n in seqs]),
+        block_table=block_table,
+        slot_mapping=np.array(slots, dtype=np.int64),
+        block_size=block_size,
+    )
+    q = torch.randn(int(qsl[-1]), num_heads, head_dim).to(dtype)
+    k_new = torch.cat([full_k[i][c:] for i, (c, _) in enumerate(seqs)])
+    v_new = torch.cat([full_v[i][c:] for i, (c, _) in enumerate(seqs)])
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    out = backend.forward(q, k_new, v_new, (key_cache, value_cache), backend.build_metadata(inputs), scale)
+    assert out.shape == (int(qsl[-1]), num_heads * head_dim)
+
+    for i in range(len(seqs)):
+        s, e = int(qsl[i]), int(qsl[i + 1])
+        ref = reference_attention(q[s:e], full_k[i], full_v[i], scale)
+        got = out[s:e].view(e - s, num_heads, head_dim).float()
+        torch.testing.assert_close(got, ref, atol=atol, rtol=atol)
+    # The new tokens' K/V were written where the slot mapping says.
+    flat_k = key_cache.view(-1, num_kv_heads, head_dim)
+    torch.testing.assert_close(flat_k[torch.tensor(slots)], k_new)
+
+
+def test_stale_cache_contents_do_not_leak_into_other_requests():
+    """Blocks are reused without clearing. A previous owner's K/V past a sequence's end, even huge values or a
+    NaN it produced, must not change the next owner's output."""
+    torch.manual_seed(0)
+    hkv, hd, bs = 1, 8, 4
+    backend = TorchAttentionBackend(2, hkv, hd, torch.float32)
+    key_cache = torch.zeros(3, bs, hkv, hd)
+    value_cache = torch.zeros(3, bs, hkv, hd)
+
+    def decode_inputs(seq_lens, table, slots):
+        return AttentionInputs(
+            num_decodes=len(seq_lens),
+            query_start_loc=np.arange(len(seq_lens) + 1),
+            seq_lens=np.array(seq_lens),
+            block_table=np.array(table, dtype=np.int32),
+            slot_mapping=np.array(slots, dtype=np.int64),
+            block_size=bs,
+        )
+
+    # A broken request writes NaN and huge values into every slot of blocks 1 and 2.
+    slots = np.arange(bs, 3 * bs)
+    junk_k = torch.full((len(slots), hkv, hd), float("nan"))
+    junk_k[::2] = 1e30
+    junk_v = torch.full((len(slots), hkv, hd), float("inf"))
+    meta = backend.build_metadata(AttentionInputs(0, np.array([0, len(slots)]), np.array([len(slots)]),
+                                                  np.array([[1, 2]], dtype=np.int32), slots, bs))
+    backend.forward(torch.randn(len(slots), 2, hd), junk_k, junk_v, (key_cache, value_cache), meta, 1.0)
+    assert torch.isfinite(key_cache).all() and torch.isfinite(value_cache).all()
+
+    # Two later requests reuse the blocks: one of length 2 in block 1, one of length 6 over blocks 0 and 2
+    # (padded in the batch to 2 blocks, so the first one's padding also reads the junk of block 2... via 0).
+    ctx = {1: torch.randn(2, hkv, hd), 0: torch.randn(6, hkv, hd)}
+    vals = {1: torch.randn(2, hkv, hd), 0: torch.randn(6, hkv, hd)}
+    key_cache[1, 0] = ctx[1][0]
+    value_cache[1, 0] = vals[1][0]
+    for pos in range(5):
+        blk = [0, 2][pos // bs]
+        key_cache[blk, pos % bs] = ctx[0][pos]
+        value_cache[blk, pos % bs] = vals[0][pos]
+    q = torch.randn(2, 2, hd)
+    k_new = torch.stack([ctx[1][1], ctx[0][5]])
+    v_new = torch.stack([vals[1][1], vals[0][5]])
+    meta = backend.build_metadata(decode_inputs([2, 6], [[1, 0], [0, 2]], [1 * bs + 1, 2 * bs + 1]))
+    out = backend.forward(q, k_new, v_new, (key_cache, value_cache), meta, hd**-0.5)
+    for i, seq in enumerate([1, 0]):
+        ref = reference_attention(q[i : i + 1], ctx[seq], vals[seq], hd**-0.5)
+        torch.testing.assert_close(out[i].view(1, 2, hd), ref)
