@@ -13,12 +13,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 warnings.filterwarnings("ignore", message=".*non-writable.*")
 
-TINY_VOCAB_NOTE = "tiny models reuse SmolLM2's tokenizer (vocab 49152) so text and chat paths work"
-
-# name -> (HF config class name, config overrides)
+# name -> (HF config class name, config overrides). Tiny models reuse SmolLM2's tokenizer (vocab 49152), so
+# the text, chat and stop-string paths run on them too.
 TINY_MODELS = {
-    "llama-gqa-untied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
-    "llama-mqa-tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
+    "llama-gqa-untied": (
+        "LlamaConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    "llama-mqa-tied": (
+        "LlamaConfig",
+        dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+    ),
     "llama3-rope-scaling": (
         "LlamaConfig",
         dict(
@@ -36,8 +41,14 @@ TINY_MODELS = {
         ),
     ),
     "mistral-gqa": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
-    "qwen2-bias-tied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
-    "qwen2-mqa-untied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False)),
+    "qwen2-bias-tied": (
+        "Qwen2Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    "qwen2-mqa-untied": (
+        "Qwen2Config",
+        dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False),
+    ),
     "qwen3-qknorm": (
         "Qwen3Config",
         dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
@@ -47,12 +58,6 @@ TINY_MODELS = {
         dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True),
     ),
 }
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> str:
-    """kvserve's model/tokenizer cache: the user's if it exists (CI warms it once), else a temp dir."""
-    return os.environ.get("KVSERVE_CACHE_DIR") or str(tmp_path_factory.mktemp("kvserve-cache"))
 
 
 @pytest.fixture(scope="session")

@@ -30,9 +30,7 @@ def hash_block_tokens(
     return h.digest()
 
 
-def hash_request_tokens(
-    token_ids: Sequence[int], block_size: int, extra_keys: tuple | None = None
-) -> list[BlockHash]:
+def hash_request_tokens(token_ids: Sequence[int], block_size: int, extra_keys: tuple | None = None) -> list[BlockHash]:
     """Hashes of every full block of `token_ids` (extra keys go into the first block only)."""
     hashes: list[BlockHash] = []
     parent = None

@@ -17,9 +17,7 @@ class IncrementalDetokenizer:
     Uses the tokenizers library's DecodeStream, which buffers tokens until they form valid UTF-8.
     """
 
-    def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams
-    ) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._tokenizer = tokenizer._tokenizer  # the Rust tokenizers.Tokenizer behind the fast tokenizer
         self._stream = DecodeStream(
             ids=prompt_token_ids[-_PRIME_TOKENS:], skip_special_tokens=params.skip_special_tokens

@@ -8,7 +8,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.core import EngineCore
 from kvserve.engine.output_processor import OutputKind, OutputProcessor
-from kvserve.engine.processor import PromptType, Processor
+from kvserve.engine.processor import Processor, PromptType
 from kvserve.loader.tokenizer import load_tokenizer
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams

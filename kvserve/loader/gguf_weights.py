@@ -48,8 +48,12 @@ def read_gguf_metadata(path: str) -> tuple[dict[str, Any], set[str]]:
     reader = _reader(path)
     fields = {}
     for key, field in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                   "tokenizer.ggml.scores"):
+        if key in (
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.scores",
+        ):
             continue
         fields[key] = field.contents()
     return fields, {t.name for t in reader.tensors}

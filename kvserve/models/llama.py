@@ -42,9 +42,7 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary  # shared by all layers
         self.backend = backend
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, attn_metadata: Any
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, attn_metadata: Any) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -181,7 +179,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 missing += [f"{pname}[{i}]" for i in range(shards) if f"{pname}#{i}" not in filled]
         if missing:
-            raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+            raise ValueError(
+                f"checkpoint lacks weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+            )
 
     def _num_shards(self, pname: str) -> int | None:
         if ".qkv_proj." in pname:

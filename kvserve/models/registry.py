@@ -18,6 +18,4 @@ def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
-        raise ValueError(
-            f"unsupported architecture {architecture!r}; supported: {', '.join(MODEL_REGISTRY)}"
-        ) from None
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(MODEL_REGISTRY)}") from None

@@ -45,12 +45,13 @@ def num_blocks_for(cache_config: CacheConfig, arch: ArchConfig, dtype: torch.dty
     per_block = bytes_per_block(arch, cache_config.block_size, dtype)
     num_blocks = budget // per_block
     if num_blocks < 1:
-        raise ValueError(
-            f"kv_cache_memory={budget} bytes holds no block of {per_block} bytes; raise kv_cache_memory"
-        )
+        raise ValueError(f"kv_cache_memory={budget} bytes holds no block of {per_block} bytes; raise kv_cache_memory")
     logger.info(
         "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)",
-        num_blocks, cache_config.block_size, num_blocks * per_block / 2**30, num_blocks * cache_config.block_size,
+        num_blocks,
+        cache_config.block_size,
+        num_blocks * per_block / 2**30,
+        num_blocks * cache_config.block_size,
     )
     return int(num_blocks)
 

@@ -27,9 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig
-    ) -> None:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -95,9 +93,7 @@ class ModelRunner:
                 block_size=self.block_size,
             )
         )
-        hidden = self.model(
-            torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches, attn_metadata
-        )
+        hidden = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches, attn_metadata)
 
         # Only requests whose known tokens are now all computed produce a token (not mid-prompt chunks).
         num_known = batch.num_tokens[rows]
@@ -122,9 +118,7 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids, sampled_lists, logprobs_lists if has_logprobs else None)
 
     @staticmethod
-    def _collect_logprobs(
-        out: SamplerOutput, sample_idx: np.ndarray, states: list[RequestState], dest: list
-    ) -> None:
+    def _collect_logprobs(out: SamplerOutput, sample_idx: np.ndarray, states: list[RequestState], dest: list) -> None:
         assert out.logprobs is not None and out.logprob_token_ids is not None and out.sampled_ranks is not None
         ids = out.logprob_token_ids.tolist()
         lps = out.logprobs.tolist()

@@ -37,7 +37,10 @@ def build_sampling_metadata(
         all_greedy=all_greedy,
         temperature=torch.tensor(temps, dtype=torch.float32) if sampling else None,
         top_k=_unless_all(
-            [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], vocab_size, torch.int64, sampling
+            [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+            vocab_size,
+            torch.int64,
+            sampling,
         ),
         top_p=_unless_all([float(p.top_p) for p in params], 1.0, torch.float32, sampling),
         min_p=_unless_all([float(p.min_p) for p in params], 0.0, torch.float32, sampling),

@@ -109,8 +109,16 @@ def test_stale_cache_contents_do_not_leak_into_other_requests():
     junk_k = torch.full((len(slots), hkv, hd), float("nan"))
     junk_k[::2] = 1e30
     junk_v = torch.full((len(slots), hkv, hd), float("inf"))
-    meta = backend.build_metadata(AttentionInputs(0, np.array([0, len(slots)]), np.array([len(slots)]),
-                                                  np.array([[1, 2]], dtype=np.int32), slots, bs))
+    meta = backend.build_metadata(
+        AttentionInputs(
+            0,
+            np.array([0, len(slots)]),
+            np.array([len(slots)]),
+            np.array([[1, 2]], dtype=np.int32),
+            slots,
+            bs,
+        )
+    )
     backend.forward(torch.randn(len(slots), 2, hd), junk_k, junk_v, (key_cache, value_cache), meta, 1.0)
     assert torch.isfinite(key_cache).all() and torch.isfinite(value_cache).all()
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvserve.config import CacheConfig, SchedulerConfig
-from kvserve.core.scheduler import Scheduler
 from kvserve.core.sched_output import SchedulerOutput
+from kvserve.core.scheduler import Scheduler
 from kvserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from kvserve.request import EngineCoreRequest, Request
 from kvserve.sampling_params import SamplingParams
@@ -12,9 +12,7 @@ from kvserve.sampling_params import SamplingParams
 EOS = 0
 
 
-def make_request(
-    req_id: str, prompt: list[int], max_tokens: int = 8, block_size: int = 4, **params
-) -> Request:
+def make_request(req_id: str, prompt: list[int], max_tokens: int = 8, block_size: int = 4, **params) -> Request:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
     core_req = EngineCoreRequest(req_id, prompt, sp, frozenset({EOS}), arrival_time=0.0, max_tokens=max_tokens)
     return Request(core_req, block_size=block_size)

@@ -223,7 +223,9 @@ def test_random_workloads_match_reference(block_size, budget):
         tail = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 30))]
         prompts[f"r{i}"] = (shared if i % 2 else []) + tail
     s = make_scheduler(
-        num_blocks=max(12, 60 // block_size), block_size=block_size, max_num_batched_tokens=budget,
+        num_blocks=max(12, 60 // block_size),
+        block_size=block_size,
+        max_num_batched_tokens=budget,
         max_num_seqs=5,
     )
     reqs = [make_request(k, v, max_tokens=rng.randrange(1, 12), block_size=block_size) for k, v in prompts.items()]

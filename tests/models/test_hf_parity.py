@@ -130,8 +130,11 @@ def test_smollm2_gguf_greedy_matches_hf(cond, smollm2_gguf, smollm2_references):
 def test_smollm2_chat_answers_capital_of_france(smollm2_gguf):
     """The demo question, in the default dtype (bf16)."""
     llm = LLM(smollm2_gguf, max_model_len=256)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+        use_tqdm=False,
+    )
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"
     assert_all_blocks_free(llm)

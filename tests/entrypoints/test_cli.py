@@ -1,0 +1,49 @@
+"""`kvserve generate` end to end on a tiny model."""
+
+from kvserve.entrypoints.cli import main
+
+
+def test_generate_prints_completion(tiny_model_factory, capsys):
+    model = tiny_model_factory("llama-gqa-untied")
+    rc = main(
+        [
+            "generate",
+            "Hello",
+            "--model",
+            model,
+            "--dtype",
+            "float32",
+            "--max-tokens",
+            "5",
+            "--no-chat",
+            "--max-model-len",
+            "128",
+        ]
+    )
+    out = capsys.readouterr()
+    assert rc == 0
+    assert out.out.startswith("Hello") and len(out.out.strip()) > len("Hello")
+    assert "5 tokens" in out.err and "finish_reason=length" in out.err
+
+
+def test_generate_chat_mode_and_bad_input(tiny_model_factory, capsys):
+    model = tiny_model_factory("llama-gqa-untied")
+    assert (
+        main(
+            [
+                "generate",
+                "Hi",
+                "--model",
+                model,
+                "--dtype",
+                "float32",
+                "--max-tokens",
+                "3",
+                "--max-model-len",
+                "128",
+            ]
+        )
+        == 0
+    )
+    rc = main(["generate", "Hi", "--model", model, "--temperature", "-1", "--max-model-len", "128"])
+    assert rc == 2 and "temperature" in capsys.readouterr().err

@@ -1,0 +1,196 @@
+"""Sampler: exact supports of top-k/top-p/min-p on known distributions, statistical checks of the draw,
+seeded reproducibility independent of the batch, penalties, banned tokens and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.sample.sampler import Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p
+
+PROBS = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+LOGITS = PROBS.log()
+
+
+def md(b: int, **kw) -> SamplingMetadata:
+    base = dict(
+        all_greedy=False,
+        temperature=torch.ones(b),
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        seeds={},
+        generator=torch.Generator().manual_seed(0),
+        presence_penalty=None,
+        frequency_penalty=None,
+        repetition_penalty=None,
+        output_token_ids=None,
+        prompt_token_ids=None,
+        banned_tokens=[],
+        max_num_logprobs=None,
+    )
+    base.update(kw)
+    return SamplingMetadata(**base)
+
+
+def support(logits: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(logits).nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("top_k,expected", [(1, {0}), (2, {0, 1}), (4, {0, 1, 2, 3}), (5, {0, 1, 2, 3, 4})])
+def test_top_k_support(top_k, expected):
+    out = apply_top_k_top_p(LOGITS[None], torch.tensor([top_k]), None)
+    assert support(out[0]) == expected
+
+
+@pytest.mark.parametrize(
+    "top_p,expected",
+    [(0.3, {0}), (0.6, {0, 1}), (0.8, {0, 1, 2}), (0.95, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3, 4})],
+)
+def test_top_p_support_is_smallest_set_reaching_p(top_p, expected):
+    out = apply_top_k_top_p(LOGITS[None], None, torch.tensor([top_p]))
+    assert support(out[0]) == expected
+    # Surviving logits are unchanged (no renormalisation in logit space beyond masking).
+    kept = sorted(expected)
+    torch.testing.assert_close(out[0, kept], LOGITS[kept])
+
+
+@pytest.mark.parametrize("min_p,expected", [(0.0, {0, 1, 2, 3, 4}), (0.2, {0, 1, 2}), (0.4, {0, 1}), (1.0, {0})])
+def test_min_p_support(min_p, expected):
+    assert support(apply_min_p(LOGITS[None], torch.tensor([min_p]))[0]) == expected
+
+
+def test_top_k_and_top_p_together_per_row():
+    logits = LOGITS.repeat(3, 1)
+    out = apply_top_k_top_p(logits, torch.tensor([3, 5, 1]), torch.tensor([0.6, 0.95, 1.0]))
+    assert [support(r) for r in out] == [{0, 1}, {0, 1, 2, 3}, {0}]
+
+
+def test_top_k_keeps_ties_with_kth():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.0]])
+    assert support(apply_top_k_top_p(logits, torch.tensor([2]), None)[0]) == {1, 2, 3}
+
+
+def frequencies(sampler: Sampler, logits: torch.Tensor, n: int, **kw) -> torch.Tensor:
+    rows = logits.repeat(n, 1)
+    out = sampler(rows, md(n, **kw)).sampled_token_ids
+    return torch.bincount(out, minlength=logits.shape[-1]).float() / n
+
+
+def assert_close_to(freq: torch.Tensor, probs: torch.Tensor, n: int) -> None:
+    # 5 sigma per category: a correct sampler fails this about once in millions of runs.
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert ((freq - probs).abs() <= 5 * sigma + 1e-9).all(), (freq, probs)
+
+
+def test_random_draw_matches_distribution():
+    n = 40_000
+    assert_close_to(frequencies(Sampler(), LOGITS, n), PROBS, n)
+
+
+def test_temperature_sharpens_distribution():
+    n = 40_000
+    freq = frequencies(Sampler(), LOGITS, n, temperature=torch.full((n,), 0.5))
+    expected = PROBS**2 / (PROBS**2).sum()
+    assert_close_to(freq, expected, n)
+
+
+def test_top_p_draw_renormalises_over_support():
+    n = 40_000
+    freq = frequencies(Sampler(), LOGITS, n, top_p=torch.full((n,), 0.8))
+    expected = torch.tensor([0.5, 0.25, 0.15, 0.0, 0.0]) / 0.9
+    assert_close_to(freq, expected, n)
+    assert freq[3] == 0 and freq[4] == 0
+
+
+def test_greedy_rows_take_argmax_in_mixed_batch():
+    logits = torch.randn(6, 50)
+    temps = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.0, 1.0])
+    out = Sampler()(logits, md(6, temperature=temps)).sampled_token_ids
+    greedy = logits.argmax(-1)
+    assert out[[0, 2, 4]].tolist() == greedy[[0, 2, 4]].tolist()
+
+
+def test_seeded_rows_are_independent_of_batch_and_shared_generator():
+    torch.manual_seed(1)
+    target = torch.randn(1, 1000)
+    others = torch.randn(5, 1000)
+    alone = Sampler()(target, md(1, seeds={0: (1234, 17)})).sampled_token_ids.item()
+    batch = torch.cat([others[:2], target, others[2:]])
+    in_batch = (
+        Sampler()(batch, md(6, seeds={2: (1234, 17)}, generator=torch.Generator().manual_seed(99)))
+        .sampled_token_ids[2]
+        .item()
+    )
+    assert alone == in_batch
+    # Another position or seed draws differently (with overwhelming probability over a flat-ish row).
+    draws = {Sampler()(target, md(1, seeds={0: (1234, pos)})).sampled_token_ids.item() for pos in range(20)}
+    assert len(draws) > 5
+
+
+def test_seeded_draw_still_follows_distribution():
+    n = 20_000
+    rows = LOGITS.repeat(n, 1)
+    seeds = {i: (7, i) for i in range(n)}  # one request, many positions
+    out = Sampler()(rows, md(n, seeds=seeds)).sampled_token_ids
+    assert_close_to(torch.bincount(out, minlength=5).float() / n, PROBS, n)
+
+
+def test_penalties_follow_vllm_semantics():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]])
+    out = Sampler()(
+        logits.clone(),
+        md(
+            1,
+            all_greedy=True,
+            temperature=None,
+            repetition_penalty=torch.tensor([2.0]),
+            frequency_penalty=torch.tensor([0.5]),
+            presence_penalty=torch.tensor([0.25]),
+            output_token_ids=[[0, 0, 1]],
+            prompt_token_ids=[[3]],
+            max_num_logprobs=None,
+        ),
+    )
+    # token 0: 2/2 - 0.5*2 - 0.25 = -0.25; token 1: -2*2 - 0.5 - 0.25 = -4.75; token 3 (prompt): 0.5/2 = 0.25
+    # token 2 unchanged 1.0; token 4 unchanged 3.0 -> still the argmax.
+    assert out.sampled_token_ids.item() == 4
+    from kvserve.sample.sampler import apply_penalties
+
+    got = apply_penalties(
+        logits,
+        md(
+            1,
+            repetition_penalty=torch.tensor([2.0]),
+            frequency_penalty=torch.tensor([0.5]),
+            presence_penalty=torch.tensor([0.25]),
+            output_token_ids=[[0, 0, 1]],
+            prompt_token_ids=[[3]],
+        ),
+    )
+    torch.testing.assert_close(got, torch.tensor([[-0.25, -4.75, 1.0, 0.25, 3.0]]))
+
+
+def test_banned_tokens_are_never_drawn():
+    logits = torch.tensor([[5.0, 0.0, 0.0]]).repeat(2000, 1)
+    out = Sampler()(logits, md(2000, banned_tokens=[(i, [0]) for i in range(2000)])).sampled_token_ids
+    assert (out != 0).all()
+    greedy = Sampler()(logits[:1], md(1, all_greedy=True, temperature=None, banned_tokens=[(0, [0])]))
+    assert greedy.sampled_token_ids.item() != 0
+
+
+def test_logprobs_are_raw_model_logprobs_with_ranks():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    out = Sampler()(logits, md(1, all_greedy=False, temperature=torch.tensor([0.0]), max_num_logprobs=2))
+    lp = torch.log_softmax(logits, -1)[0]
+    assert out.sampled_token_ids.item() == 1
+    assert out.logprob_token_ids[0].tolist() == [1, 1, 2]  # sampled first, then the top-2
+    torch.testing.assert_close(out.logprobs[0], lp[[1, 1, 2]])
+    assert out.sampled_ranks.item() == 1
+    # A sampled token that is not the best gets its true rank.
+    forced = Sampler()(logits, md(1, banned_tokens=[(0, [1, 2])], temperature=torch.tensor([0.0]), max_num_logprobs=0))
+    assert forced.logprob_token_ids[0].tolist() == [0]
+    assert forced.sampled_ranks.item() == 3
+    assert math.isclose(forced.logprobs[0, 0].item(), lp[0].item(), rel_tol=1e-6)
