@@ -1,10 +1,11 @@
-"""Paged attention in plain torch for the CPU: the ground truth other backends are tested against.
+"""Paged attention for the CPU.
 
-Decodes (one query token each) are batched: their blocks are gathered into a padded [D, L] context and the
-scores come from two batched matmuls over the GQA groups, with positions past each sequence masked.
-(SDPA is several times slower than this for single-token queries on this CPU.) Prefill chunks run one request
-at a time through SDPA with a causal mask offset by the request's cached context. Python loops are per request,
-never per token.
+Decodes (one query token each) go to a C++ kernel that reads K/V through the block tables
+(csrc/paged_attention.cpp); where it cannot be built, a pure-torch path gathers each sequence's blocks into a
+padded context and uses two batched matmuls (several times slower at large batch: the gather and relayout
+copies dominate). Prefill chunks run one request at a time through SDPA with a causal mask offset by the
+request's cached context; a chunk with no cached context attends over its own fresh K/V without touching the
+cache. Python loops are per request, never per token.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
+from kvserve.attention.cpu_kernels import load_cpu_kernels
 
 
 @dataclass
@@ -30,28 +32,29 @@ class _PrefillSpan:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
     num_decodes: int
-    decode_block_table: torch.Tensor | None  # [D, max_blocks] int64
-    decode_pad_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool, True past each sequence
+    decode_block_table: torch.Tensor | None  # [D, max_blocks] int32
+    decode_seq_lens: torch.Tensor | None  # [D] int64
     prefills: list[_PrefillSpan]
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, use_kernel: bool = True
+    ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.dtype = dtype
         self.group = num_heads // num_kv_heads
+        self.kernels = load_cpu_kernels() if use_kernel else None
 
     def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
         bs = inputs.block_size
         num_decodes = inputs.num_decodes
         seq_lens = inputs.seq_lens
-        decode_block_table = decode_pad_mask = None
+        decode_block_table = decode_seq_lens = None
         if num_decodes:
-            d_lens = torch.from_numpy(seq_lens[:num_decodes])
-            num_blocks = -(-int(d_lens.max()) // bs)
-            decode_block_table = torch.from_numpy(inputs.block_table[:num_decodes, :num_blocks]).long()
-            past_end = torch.arange(num_blocks * bs)[None, :] >= d_lens[:, None]
-            decode_pad_mask = past_end[:, None, None, :]
+            decode_seq_lens = torch.from_numpy(seq_lens[:num_decodes])
+            num_blocks = -(-int(decode_seq_lens.max()) // bs)
+            decode_block_table = torch.from_numpy(inputs.block_table[:num_decodes, :num_blocks]).contiguous()
         prefills = []
         qsl = inputs.query_start_loc
         for i in range(num_decodes, len(seq_lens)):
@@ -68,7 +71,7 @@ class TorchAttentionBackend(AttentionBackend):
             slot_mapping=torch.from_numpy(inputs.slot_mapping),
             num_decodes=num_decodes,
             decode_block_table=decode_block_table,
-            decode_pad_mask=decode_pad_mask,
+            decode_seq_lens=decode_seq_lens,
             prefills=prefills,
         )
 
@@ -87,16 +90,23 @@ class TorchAttentionBackend(AttentionBackend):
         # Every write before any read (see AttentionBackend.forward). Decodes read whole padded blocks, and a
         # masked weight of 0 times a stale NaN is still NaN; so the cache never takes a non-finite value, and one
         # broken request cannot poison the requests that reuse its blocks later.
-        key_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, torch.nan_to_num(k))
-        value_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, torch.nan_to_num(v))
+        k = torch.nan_to_num(k)
+        v = torch.nan_to_num(v)
+        key_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, k)
+        value_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, v)
 
         out = torch.empty(num_tokens, self.num_heads, hd, dtype=q.dtype)
         d = metadata.num_decodes
         if d:
-            out[:d] = self._decode(q[:d], key_cache, value_cache, metadata, scale)
+            out[:d] = self._decode(q[:d].contiguous(), key_cache, value_cache, metadata, scale)
         for span in metadata.prefills:
             s, e = span.query_start, span.query_start + span.query_len
-            out[s:e] = self._prefill(q[s:e], key_cache, value_cache, span, scale)
+            if span.mask is None:  # no cached context: the chunk's own K/V are the whole context
+                out[s:e] = self._sdpa(q[s:e], k[s:e], v[s:e], None, scale)
+            else:
+                keys = key_cache.index_select(0, span.block_ids).view(-1, hkv, hd)[: span.seq_len]
+                values = value_cache.index_select(0, span.block_ids).view(-1, hkv, hd)[: span.seq_len]
+                out[s:e] = self._sdpa(q[s:e], keys, values, span.mask, scale)
         return out.view(num_tokens, self.num_heads * hd)
 
     def _decode(
@@ -107,37 +117,51 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        assert metadata.decode_block_table is not None and metadata.decode_pad_mask is not None
+        assert metadata.decode_block_table is not None and metadata.decode_seq_lens is not None
+        if self.kernels is not None:
+            return self.kernels.paged_attention_decode(
+                q, key_cache, value_cache, metadata.decode_block_table, metadata.decode_seq_lens, scale
+            )
+        return self._decode_torch(q, key_cache, value_cache, metadata, scale)
+
+    def _decode_torch(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert metadata.decode_block_table is not None and metadata.decode_seq_lens is not None
         d = q.shape[0]
         hkv, hd = self.num_kv_heads, self.head_dim
-        table = metadata.decode_block_table
+        table = metadata.decode_block_table.long()
         ctx_len = table.shape[1] * key_cache.shape[1]
+        flat = table.reshape(-1)
         # [D, L, Hkv, hd] -> [D, Hkv, L, hd]
-        keys = key_cache[table].view(d, ctx_len, hkv, hd).transpose(1, 2)
-        values = value_cache[table].view(d, ctx_len, hkv, hd).transpose(1, 2)
+        keys = key_cache.index_select(0, flat).view(d, ctx_len, hkv, hd).transpose(1, 2)
+        values = value_cache.index_select(0, flat).view(d, ctx_len, hkv, hd).transpose(1, 2)
         qg = q.view(d, hkv, self.group, hd)
         scores = torch.matmul(qg, keys.transpose(2, 3)) * scale  # [D, Hkv, G, L]
-        scores.masked_fill_(metadata.decode_pad_mask, float("-inf"))
+        past_end = torch.arange(ctx_len)[None, :] >= metadata.decode_seq_lens[:, None]
+        scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, values).view(d, self.num_heads, hd)  # [D, Hkv, G, hd]
 
-    def _prefill(
-        self,
+    @staticmethod
+    def _sdpa(
         q: torch.Tensor,  # [Q, H, hd]
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        span: _PrefillSpan,
+        keys: torch.Tensor,  # [S, Hkv, hd]
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
         scale: float,
     ) -> torch.Tensor:
-        hkv, hd = self.num_kv_heads, self.head_dim
-        keys = key_cache[span.block_ids].view(-1, hkv, hd)[: span.seq_len].transpose(0, 1)  # [Hkv, S, hd]
-        values = value_cache[span.block_ids].view(-1, hkv, hd)[: span.seq_len].transpose(0, 1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, Q, hd]
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )

@@ -19,7 +19,7 @@ def _uninitialized(dtype: torch.dtype):
     """Create parameters in `dtype` and skip their random init (the checkpoint overwrites every one, and
     load_weights checks that), which saves ~2 s for a 135M model on this CPU."""
     old_dtype = torch.get_default_dtype()
-    saved = [(cls, cls.reset_parameters) for cls in (torch.nn.Linear, torch.nn.Embedding)]
+    saved = [(cls, cls.reset_parameters) for cls in (torch.nn.Embedding,)]
     torch.set_default_dtype(dtype)
     for cls, _ in saved:
         cls.reset_parameters = lambda self: None
@@ -41,6 +41,7 @@ def load_model(model_config: ModelConfig, backend: AttentionBackend) -> LlamaFor
     else:
         weights = iterate_safetensors(model_config.path)
     model.load_weights(weights)
+    model.prepare_for_inference()
     model.eval()
     model.requires_grad_(False)
     return model

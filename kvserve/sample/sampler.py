@@ -3,9 +3,11 @@
 Order (as in vLLM): raw logprobs are taken from the model's logits before anything else; then min_tokens
 masking, penalties, the greedy pick; then temperature, min-p, top-k, top-p and a random draw for the rest.
 
-Random draws use the exponential-race form of categorical sampling: argmax(p / E) with E ~ Exp(1) i.i.d. picks
-token i with probability p_i. Each seeded request draws its E from a generator seeded by (seed, position), so
-its tokens depend on nothing else in the batch and survive preemption and recomputation unchanged.
+Random draws invert the CDF: one uniform u per row, then the first token whose cumulative probability exceeds
+u * total. On this CPU that is ~25x cheaper than the exponential race argmax(p / E) (which needs a random number
+per vocabulary entry: ~100 ms per step at batch 128, as much as the forward pass). Each seeded request takes its
+u from a generator seeded by (seed, position), so its tokens depend on nothing else in the batch and survive
+preemption and recomputation unchanged.
 """
 
 from __future__ import annotations
@@ -62,13 +64,14 @@ class Sampler:
         if md.repetition_penalty is not None or md.presence_penalty is not None:
             logits = apply_penalties(logits, md)
 
-        greedy = logits.argmax(dim=-1)
         if md.all_greedy:
-            sampled = greedy
+            sampled = logits.argmax(dim=-1)
         else:
             assert md.temperature is not None
             sampled = self._random_sample(logits, md)
-            sampled = torch.where(md.temperature == 0, greedy, sampled)
+            greedy_rows = md.temperature == 0
+            if bool(greedy_rows.any()):
+                sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
 
         out = SamplerOutput(sampled_token_ids=sampled)
         if raw_logprobs is not None:
@@ -85,21 +88,31 @@ class Sampler:
 
     def _random_sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         assert md.temperature is not None
-        # Greedy rows get temperature 1 here; their pick is taken from the argmax above anyway.
+        # Greedy rows get temperature 1 here; their pick is replaced by the argmax afterwards.
         temp = torch.where(md.temperature == 0, 1.0, md.temperature)
-        logits = logits / temp[:, None]
+        if not bool((temp == 1.0).all()):
+            logits = logits / temp[:, None]
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
-        seeded_rows = md.seeds.keys()
-        if len(seeded_rows) < probs.shape[0]:
-            noise.exponential_(generator=md.generator)
+        u = torch.rand(probs.shape[0], generator=md.generator)
         for row, (seed, position) in md.seeds.items():
-            noise[row].exponential_(generator=_position_generator(seed, position))
-        return (probs / noise).argmax(dim=-1)
+            u[row] = torch.rand(1, generator=_position_generator(seed, position))
+        return inverse_cdf_sample(probs, u)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] (rows need not sum to exactly 1), u [B] in [0, 1) -> token ids [B].
+
+    A token of probability 0 leaves the CDF flat and can never be the first entry above the threshold; the
+    threshold is kept strictly below the row total so the search never runs past the last token.
+    """
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1]
+    threshold = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, threshold[:, None], right=True).squeeze(1)
 
 
 def _position_generator(seed: int, position: int) -> torch.Generator:

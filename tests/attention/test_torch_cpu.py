@@ -25,13 +25,13 @@ def reference_attention(q, k, v, scale):
     return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp-kernel", "torch"])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (6, 2, 64), (4, 1, 24)])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_mixed_batch_matches_reference(dtype, atol, num_heads, num_kv_heads, block_size):
+def test_mixed_batch_matches_reference(use_kernel, dtype, atol, num_heads, num_kv_heads, head_dim, block_size):
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
-    head_dim = 32
     # (cached context, new query tokens): decodes first, then prefill chunks with and without context.
     seqs = [(7, 1), (0, 1), (40, 1), (0, 13), (21, 5), (3, 30)]
     num_blocks = sum(math.ceil((c + n) / block_size) for c, n in seqs) + 5
@@ -70,7 +70,8 @@ def test_mixed_batch_matches_reference(dtype, atol, num_heads, num_kv_heads, blo
     q = torch.randn(int(qsl[-1]), num_heads, head_dim).to(dtype)
     k_new = torch.cat([full_k[i][c:] for i, (c, _) in enumerate(seqs)])
     v_new = torch.cat([full_v[i][c:] for i, (c, _) in enumerate(seqs)])
-    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, use_kernel=use_kernel)
+    assert (backend.kernels is not None) == use_kernel, "the C++ kernel failed to build"
     scale = head_dim**-0.5
     out = backend.forward(q, k_new, v_new, (key_cache, value_cache), backend.build_metadata(inputs), scale)
     assert out.shape == (int(qsl[-1]), num_heads * head_dim)
@@ -85,12 +86,13 @@ def test_mixed_batch_matches_reference(dtype, atol, num_heads, num_kv_heads, blo
     torch.testing.assert_close(flat_k[torch.tensor(slots)], k_new)
 
 
-def test_stale_cache_contents_do_not_leak_into_other_requests():
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp-kernel", "torch"])
+def test_stale_cache_contents_do_not_leak_into_other_requests(use_kernel):
     """Blocks are reused without clearing. A previous owner's K/V past a sequence's end, even huge values or a
     NaN it produced, must not change the next owner's output."""
     torch.manual_seed(0)
-    hkv, hd, bs = 1, 8, 4
-    backend = TorchAttentionBackend(2, hkv, hd, torch.float32)
+    hkv, hd, bs = 1, 16, 4
+    backend = TorchAttentionBackend(2, hkv, hd, torch.float32, use_kernel=use_kernel)
     key_cache = torch.zeros(3, bs, hkv, hd)
     value_cache = torch.zeros(3, bs, hkv, hd)
 
@@ -140,3 +142,30 @@ def test_stale_cache_contents_do_not_leak_into_other_requests():
     for i, seq in enumerate([1, 0]):
         ref = reference_attention(q[i : i + 1], ctx[seq], vals[seq], hd**-0.5)
         torch.testing.assert_close(out[i].view(1, 2, hd), ref)
+
+
+def test_kernel_long_context_and_many_sequences_match_torch():
+    """Long contexts (many blocks, prefetching across them) and more sequences than threads, in bf16."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(1)
+    num_heads, num_kv, hd, bs = 9, 3, 64, 16
+    seq_lens = rng.integers(1, 700, 37)
+    num_blocks = int(sum(-(-s // bs) for s in seq_lens)) + 3
+    perm = rng.permutation(num_blocks)
+    table = np.zeros((len(seq_lens), -(-int(seq_lens.max()) // bs)), dtype=np.int32)
+    p = 0
+    for i, s in enumerate(seq_lens):
+        n = -(-int(s) // bs)
+        table[i, :n] = perm[p : p + n]
+        p += n
+    kc = torch.randn(num_blocks, bs, num_kv, hd).to(torch.bfloat16)
+    vc = torch.randn(num_blocks, bs, num_kv, hd).to(torch.bfloat16)
+    q = torch.randn(len(seq_lens), num_heads, hd).to(torch.bfloat16)
+    inputs = AttentionInputs(
+        len(seq_lens), np.arange(len(seq_lens) + 1), seq_lens.astype(np.int64), table, np.zeros(0, dtype=np.int64), bs
+    )
+    outs = []
+    for use_kernel in (True, False):
+        backend = TorchAttentionBackend(num_heads, num_kv, hd, torch.bfloat16, use_kernel=use_kernel)
+        outs.append(backend._decode(q, kc, vc, backend.build_metadata(inputs), hd**-0.5).float())
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)

@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from kvserve.sample.sampler import Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p
+from kvserve.sample.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_min_p,
+    apply_top_k_top_p,
+    inverse_cdf_sample,
+)
 
 PROBS = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
 LOGITS = PROBS.log()
@@ -194,3 +200,14 @@ def test_logprobs_are_raw_model_logprobs_with_ranks():
     assert forced.logprob_token_ids[0].tolist() == [0]
     assert forced.sampled_ranks.item() == 3
     assert math.isclose(forced.logprobs[0, 0].item(), lp[0].item(), rel_tol=1e-6)
+
+
+def test_inverse_cdf_never_picks_zero_probability_tokens():
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0, 0.0, 0.0]])
+    for u in (0.0, 0.299999, 0.3, 0.3000001, 0.999999, 1.0 - 2**-24):
+        got = inverse_cdf_sample(probs, torch.tensor([u, u])).tolist()
+        assert got[0] in (1, 3) and got[1] in (0, 2), (u, got)
+    assert inverse_cdf_sample(probs, torch.tensor([0.0, 0.0])).tolist() == [1, 0]
+    assert inverse_cdf_sample(probs, torch.tensor([0.9999999, 0.9999999])).tolist() == [3, 2]
+    # Unnormalised rows work too.
+    assert inverse_cdf_sample(probs * 3, torch.tensor([0.5, 0.25])).tolist() == [3, 0]

@@ -1,0 +1,40 @@
+"""JIT-built C++ kernels for the CPU backend (torch.utils.cpp_extension; needs a C++ compiler and ninja).
+
+Built once per machine and source version into torch's extension cache (~45 s the first time). If the build
+fails, or KVSERVE_CPU_KERNELS=0, callers fall back to the pure-torch implementations.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+
+
+@functools.cache
+def load_cpu_kernels() -> ModuleType | None:
+    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+        logger.info("loading the CPU attention kernel (compiled on first use)")
+        return load(
+            name=f"kvserve_cpu_attention_{digest}",
+            sources=[str(_SOURCE)],
+            # Built on the machine that runs it, so -march=native picks up AVX-512 where it exists.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, unsupported platform
+        logger.warning("CPU attention kernel unavailable (%s); using the slower pure-torch decode path", e)
+        return None
