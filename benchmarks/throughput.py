@@ -136,8 +136,11 @@ def load_hf(model_path: str, dtype: torch.dtype):
     import transformers
 
     if model_path.endswith(".gguf"):
+        # Dense weights, like kvserve's: transformers would otherwise keep GGUF blocks and run its own fp32 kernels.
         d, f = os.path.split(model_path)
-        model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            d, gguf_file=f, dtype=dtype, quantization_config=transformers.GgufConfig(dequantize=True)
+        )
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     return model.eval()

@@ -1,18 +1,38 @@
-"""kvserve: a small, readable LLM inference engine (paged KV cache, prefix caching, continuous batching)."""
+"""kvserve: a small, readable LLM inference engine (paged KV cache, prefix caching, continuous batching).
 
-from kvserve.engine.arg_utils import EngineArgs
-from kvserve.engine.llm import LLM
-from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
-from kvserve.sampling_params import SamplingParams
+`from kvserve import LLM, SamplingParams` works as in vLLM. The names are resolved lazily, so importing a
+torch-free part of the package (kvserve.core) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM",
-    "SamplingParams",
-    "RequestOutput",
-    "CompletionOutput",
-    "Logprob",
-    "EngineArgs",
-    "__version__",
-]
+_EXPORTS = {
+    "LLM": "kvserve.engine.llm",
+    "EngineArgs": "kvserve.engine.arg_utils",
+    "SamplingParams": "kvserve.sampling_params",
+    "RequestOutput": "kvserve.outputs",
+    "CompletionOutput": "kvserve.outputs",
+    "Logprob": "kvserve.outputs",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+if TYPE_CHECKING:
+    from kvserve.engine.arg_utils import EngineArgs
+    from kvserve.engine.llm import LLM
+    from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+    from kvserve.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

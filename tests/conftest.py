@@ -151,7 +151,9 @@ def load_hf_model(path: str, gguf_file: str | None = None):
 
     kwargs = dict(dtype=torch.float32, attn_implementation="eager")
     if gguf_file is not None:
+        # A plain dense fp32 model from HF's own GGUF reader (independent of kvserve's loader).
         kwargs["gguf_file"] = gguf_file
+        kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
     return model.eval()
 

@@ -308,3 +308,26 @@ def test_chat_applies_template(llm):
 def test_progress_bar_runs(llm, capsys):
     llm.generate([rand_prompt(5, i) for i in range(3)], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=True)
     assert "Processed prompts" in capsys.readouterr().err
+
+
+def test_bad_request_does_not_disturb_running_ones(llm):
+    engine = llm.engine
+    good = SamplingParams(max_tokens=12, **GREEDY)
+    expected = greedy_once(llm, rand_prompt(30, 21), n=12)[1]
+    engine.add_request("ok", rand_prompt(30, 21), good)
+    engine.step()
+    for bad_prompt, bad_params in [
+        ({"prompt_token_ids": []}, good),
+        (rand_prompt(300, 1), good),
+        (rand_prompt(5, 1), SamplingParams(max_tokens=300)),
+    ]:
+        with pytest.raises(ValueError):
+            engine.add_request("bad", bad_prompt, bad_params)
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.add_request("ok", rand_prompt(5, 1), good)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["ok"]
+    assert finished[0].outputs[0].token_ids == expected
+    assert_all_blocks_free(llm)
