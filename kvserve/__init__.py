@@ -20,7 +20,7 @@ _EXPORTS = {
     "Logprob": "kvserve.outputs",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
 
 if TYPE_CHECKING:
     from kvserve.engine.arg_utils import EngineArgs
