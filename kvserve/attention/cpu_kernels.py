@@ -23,12 +23,14 @@ def load_cpu_kernels() -> ModuleType | None:
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
         digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-        logger.info("loading the CPU attention kernel (compiled on first use)")
+        name = f"kvserve_cpu_attention_{digest}"
+        if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+            logger.warning("building the C++ CPU attention kernel (first run on this machine only, ~45 s)")
         return load(
-            name=f"kvserve_cpu_attention_{digest}",
+            name=name,
             sources=[str(_SOURCE)],
             # Built on the machine that runs it, so -march=native picks up AVX-512 where it exists.
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
