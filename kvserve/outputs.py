@@ -35,6 +35,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Set on a request's first output only: when the scheduler first admitted it (for queue-time metrics).
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

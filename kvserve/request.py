@@ -72,6 +72,8 @@ class Request:
         self.num_preemptions = 0
         # Prompt tokens found in the prefix cache at first admission (reported back to the user).
         self.num_cached_tokens = -1
+        self.first_scheduled_time: float | None = None
+        self.has_reported = False  # whether an EngineCoreOutput went out for it yet
 
         self.block_size = block_size
         salt = self.sampling_params.cache_salt

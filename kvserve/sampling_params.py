@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 _MAX_TOP_LOGPROBS = 20
+_MAX_TEMPERATURE = 1e4
 
 
 @dataclass
@@ -13,9 +15,10 @@ class SamplingParams:
     """Per-request decoding options.
 
     Invariants after construction (else ValueError naming the field):
-    temperature >= 0 (0 means greedy); 0 < top_p <= 1; top_k == 0 or -1 (off) or >= 1; 0 <= min_p <= 1;
+    temperature in [0, 1e4] (0 means greedy); 0 < top_p <= 1; top_k == 0 or -1 (off) or >= 1; 0 <= min_p <= 1;
     max_tokens is None (fill up to max_model_len) or >= 1; 0 <= min_tokens <= max_tokens; n >= 1;
-    repetition_penalty > 0; presence/frequency penalties in [-2, 2]; logprobs in [0, 20] or None.
+    repetition_penalty in [1e-3, 1e3]; presence/frequency penalties in [-2, 2]; logprobs in [0, 20] or None;
+    every number finite.
     `stop` is normalised to a list of non-empty strings and `stop_token_ids` to a list of ints.
     """
 
@@ -58,8 +61,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= _MAX_TEMPERATURE:
+            raise bad("temperature", f"must be in [0, {_MAX_TEMPERATURE}], got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
@@ -70,8 +73,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise bad(name, f"must be in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        # Bounded away from 0 and infinity so that dividing fp32 logits by it stays finite.
+        if not _is_number(self.repetition_penalty) or not 1e-3 <= self.repetition_penalty <= 1e3:
+            raise bad("repetition_penalty", f"must be in [0.001, 1000], got {self.repetition_penalty!r}")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
         ):
@@ -112,4 +116,5 @@ _GREEDY_EPS = 1e-5
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    """A finite int or float (NaN and infinities are refused)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

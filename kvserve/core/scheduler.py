@@ -11,6 +11,7 @@ waiting queue, to be resumed later with the tokens it already generated.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -131,6 +132,7 @@ class Scheduler:
             self.kv.record_lookup(request.num_tokens, num_hit_tokens)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.time()
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -190,6 +192,9 @@ class Scheduler:
                 new_logprobs=logprobs[idx][: len(new_token_ids)] if logprobs and logprobs[idx] else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
+            if not request.has_reported:
+                output.first_scheduled_time = request.first_scheduled_time
+                request.has_reported = True
             if request.is_finished:
                 output.finish_reason = request.status.finish_reason
                 output.stop_reason = request.stop_reason

@@ -38,6 +38,7 @@ class SequenceState:
     num_sent_chars: int = 0
     num_sent_logprobs: int = 0
     final_sent: bool = False
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -56,10 +57,24 @@ class ParentState:
 
 
 @dataclass
+class IterationStats:
+    """What one batch of engine-core outputs tells about latency and volume (consumed by metrics)."""
+
+    num_generation_tokens: int = 0
+    num_prompt_tokens: int = 0  # of requests whose first token arrived now
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    queue_times: list[float] = field(default_factory=list)
+    # (finish reason, end-to-end latency) of requests that finished now.
+    finished: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     # Sequences the frontend finished (stop strings) that the engine core must abort.
     seq_ids_to_abort: list[str]
+    stats: IterationStats
 
 
 class OutputProcessor:
@@ -104,6 +119,7 @@ class OutputProcessor:
         now = time.time()
         touched: dict[str, ParentState] = {}
         to_abort: list[str] = []
+        stats = IterationStats()
         for out in outputs:
             entry = self.seq_to_parent.get(out.request_id)
             if entry is None:
@@ -112,9 +128,18 @@ class OutputProcessor:
             if seq.finish_reason is not None:
                 continue
             metrics = parent.metrics
+            if out.first_scheduled_time is not None and metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = out.first_scheduled_time
+                stats.queue_times.append(max(0.0, out.first_scheduled_time - metrics.arrival_time))
             if out.new_token_ids:
+                stats.num_generation_tokens += len(out.new_token_ids)
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now
+                    stats.time_to_first_tokens.append(now - metrics.arrival_time)
+                    stats.num_prompt_tokens += len(parent.prompt_token_ids)
+                elif seq.token_ids:
+                    stats.inter_token_latencies.append(now - (seq.last_token_time or now))
+                seq.last_token_time = now
                 metrics.last_token_time = now
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             seq.token_ids.extend(out.new_token_ids)
@@ -139,12 +164,14 @@ class OutputProcessor:
             finished = parent.finished
             if finished:
                 parent.metrics.finished_time = now
+                reason = parent.sequences[0].finish_reason or "stop"
+                stats.finished.append((reason, now - parent.metrics.arrival_time))
                 self.abort_request(parent.request_id)  # forget it
             if parent.output_kind == OutputKind.DELTA:
                 request_outputs.append(self._make_output(parent, finished, delta=True))
             elif finished:
                 request_outputs.append(self._make_output(parent, finished, delta=False))
-        return ProcessedOutputs(request_outputs, to_abort)
+        return ProcessedOutputs(request_outputs, to_abort, stats)
 
     def _append_logprobs(self, seq: SequenceState, entries: list[tuple[list[int], list[float], int]]) -> None:
         assert seq.logprobs is not None and seq.cumulative_logprob is not None

@@ -116,6 +116,20 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from kvserve.entrypoints.openai.api_server import run_server
+
+    run_server(
+        engine_args_from(ns),
+        host=ns.host,
+        port=ns.port,
+        served_model_name=ns.served_model_name,
+        graceful_shutdown_s=ns.graceful_shutdown,
+        log_level="debug" if ns.verbose else "info",
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference engine")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine progress")
@@ -136,6 +150,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
+        "/metrics and /version. The engine core runs in its own process.",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--served-model-name", default=None, help="name clients use in the `model` field (default: the --model value)"
+    )
+    serve.add_argument(
+        "--graceful-shutdown",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
+    )
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

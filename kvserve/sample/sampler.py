@@ -96,11 +96,18 @@ class Sampler:
             logits = apply_min_p(logits, md.min_p)
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        # Extreme (but valid) parameters can push logits to +-inf; keep softmax well defined.
+        logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
         probs = torch.softmax(logits, dim=-1)
         u = torch.rand(probs.shape[0], generator=md.generator)
         for row, (seed, position) in md.seeds.items():
             u[row] = torch.rand(1, generator=_position_generator(seed, position))
-        return inverse_cdf_sample(probs, u)
+        sampled = inverse_cdf_sample(probs, u)
+        # A row left without any finite candidate has no distribution to draw from: take its argmax.
+        broken = ~torch.isfinite(probs).all(dim=-1)
+        if bool(broken.any()):
+            sampled = torch.where(broken, logits.argmax(dim=-1), sampled)
+        return sampled
 
 
 def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -112,7 +119,8 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1]
     threshold = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, threshold[:, None], right=True).squeeze(1)
+    # The clamp only matters for a row whose total is NaN (the caller replaces those rows).
+    return torch.searchsorted(cdf, threshold[:, None], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _position_generator(seed: int, position: int) -> torch.Generator:

@@ -220,6 +220,9 @@ def test_seeded_sampling_independent_of_batch_and_preemption(model_path, llm):
         (dict(stop_token_ids=["a"]), "stop_token_ids"),
         (dict(presence_penalty=5.0), "presence_penalty"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=5e-324), "repetition_penalty"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=float("inf")), "top_p"),
         (dict(seed="x"), "seed"),
     ],
 )

@@ -211,3 +211,15 @@ def test_inverse_cdf_never_picks_zero_probability_tokens():
     assert inverse_cdf_sample(probs, torch.tensor([0.9999999, 0.9999999])).tolist() == [3, 2]
     # Unnormalised rows work too.
     assert inverse_cdf_sample(probs * 3, torch.tensor([0.5, 0.25])).tolist() == [3, 0]
+
+
+def test_extreme_logits_never_yield_out_of_range_tokens():
+    """Infinite or NaN logits (e.g. from extreme penalties) must still give a valid token id for every row."""
+    logits = torch.randn(5, 50)
+    logits[0, 3] = float("inf")
+    logits[1] = float("-inf")  # nothing left to draw from
+    logits[2, :10] = float("nan")
+    logits[3] = float("inf")
+    out = Sampler()(logits, md(5)).sampled_token_ids
+    assert ((out >= 0) & (out < 50)).all()
+    assert out[0].item() == 3

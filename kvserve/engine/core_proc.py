@@ -1,0 +1,112 @@
+"""The engine core in its own process: a busy loop of (drain inputs, step, send outputs) over ZMQ.
+
+New requests and aborts are read between steps, so they reach the core while it is generating; outputs go back
+after every step. The process exits on a Shutdown message, when its parent dies, or when the frontend's
+sockets go away; it never outlives the server.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import zmq
+
+from kvserve.config import EngineConfig
+from kvserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreError,
+    CoreOutputs,
+    CoreStats,
+    Ready,
+    Shutdown,
+    encoder,
+    to_core_decoder,
+)
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 500  # how often an idle core checks that its parent is still alive
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the parent process dies (no orphans even if the parent is SIGKILLed)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: int) -> None:
+    """Process entry point (spawned by the frontend's client)."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
+    _die_with_parent()
+    parent = os.getppid()
+    # SIGTERM (from the frontend or the death signal) ends the loop through SystemExit; SIGINT is the frontend's.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(input_addr)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 0)
+    outputs.connect(output_addr)
+    try:
+        from kvserve.engine.core import EngineCore
+
+        core = EngineCore(config)
+        outputs.send(encoder.encode(Ready(core.runner.num_blocks, core.max_tokens_per_request)))
+        _busy_loop(core, inputs, outputs, parent)
+    finally:
+        inputs.close(linger=0)
+        outputs.close(linger=0)
+        ctx.term()
+
+
+def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> None:
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    while True:
+        handled_input = False
+        timeout = 0 if core.has_unfinished_requests() else _IDLE_POLL_MS
+        while poller.poll(timeout):
+            msg = to_core_decoder.decode(inputs.recv())
+            handled_input = True
+            timeout = 0
+            if isinstance(msg, AddRequest):
+                try:
+                    core.add_request(msg.request)
+                except ValueError as e:  # the frontend validates first; this is a last line of defence
+                    outputs.send(encoder.encode(CoreError(msg.request.request_id, str(e))))
+            elif isinstance(msg, AbortRequests):
+                core.abort_requests(msg.request_ids)
+            elif isinstance(msg, Shutdown):
+                return
+        if os.getppid() != parent:
+            logger.warning("frontend process is gone; engine core exits")
+            return
+        step_outputs = core.step() if core.has_unfinished_requests() else []
+        if step_outputs or handled_input:
+            outputs.send(encoder.encode(CoreOutputs(step_outputs, _stats(core))))
+
+
+def _stats(core) -> CoreStats:
+    s = core.scheduler.make_stats()
+    cache = core.scheduler.kv.stats
+    return CoreStats(
+        num_running=s.num_running,
+        num_waiting=s.num_waiting,
+        kv_cache_usage=s.kv_cache_usage,
+        num_preemptions=s.num_preemptions,
+        prefix_cache_queries=cache.num_query_tokens,
+        prefix_cache_hits=cache.num_hit_tokens,
+        num_blocks=s.num_blocks,
+        num_free_blocks=s.num_free_blocks,
+    )

@@ -1,0 +1,300 @@
+"""The real server on a loopback port, driven with the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.entrypoints.openai.server_utils import Server, all_gone
+
+MODEL = "llama-gqa-untied"
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory) -> str:
+    return tiny_model_factory(MODEL)
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    srv = Server(model_path, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN))
+    yield srv
+    engine_pids = srv.engine_pids
+    assert srv.stop() == 0, srv.log()
+    assert all_gone(engine_pids), "engine core outlived the server"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+# ------------------------------------------------------------------ basics
+
+
+def test_models_health_version_tokenize(server, client, model_path):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_path]
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == MAX_MODEL_LEN
+    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert detok["prompt"] == "Hello world"
+    chat_tok = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat_tok["tokens"][0] == 1  # the template's <|im_start|>
+
+
+def test_completion_and_chat(client, model_path):
+    c = client.completions.create(model=model_path, prompt="Hello", max_tokens=7, temperature=0)
+    assert c.object == "text_completion" and c.id and c.created and c.model == model_path
+    assert c.choices[0].finish_reason == "length" and c.choices[0].text
+    assert (c.usage.completion_tokens, c.usage.total_tokens) == (7, c.usage.prompt_tokens + 7)
+    chat = client.chat.completions.create(
+        model=model_path, messages=[{"role": "user", "content": "Hi there"}], max_completion_tokens=6, temperature=0
+    )
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 6
+
+
+def test_streaming_with_usage(client, model_path):
+    chunks = list(
+        client.completions.create(
+            model=model_path,
+            prompt="Hello",
+            max_tokens=9,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 9 and not chunks[-1].choices
+    full = client.completions.create(model=model_path, prompt="Hello", max_tokens=9, temperature=0)
+    assert text == full.choices[0].text
+    chat_chunks = list(
+        client.chat.completions.create(
+            model=model_path,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    assert chat_chunks[-1].usage.completion_tokens == 5
+    finish = [ch.choices[0].finish_reason for ch in chat_chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finish == ["length"]
+
+
+def test_n_logprobs_stop_echo(client, model_path):
+    c = client.completions.create(model=model_path, prompt="Hello", max_tokens=5, n=2, temperature=1.0, seed=7)
+    assert sorted(ch.index for ch in c.choices) == [0, 1] and c.usage.completion_tokens == 10
+    lp = client.completions.create(model=model_path, prompt="Hello", max_tokens=4, temperature=0, logprobs=3)
+    lps = lp.choices[0].logprobs
+    assert len(lps.tokens) == len(lps.token_logprobs) == len(lps.top_logprobs) == 4
+    assert all(len(top) >= 3 for top in lps.top_logprobs) and "".join(lps.tokens) == lp.choices[0].text
+    assert all(t <= 0 for t in lps.token_logprobs) and lps.text_offset[0] == 0
+    chat = client.chat.completions.create(
+        model=model_path,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+    full = client.completions.create(model=model_path, prompt="Hello", max_tokens=30, temperature=0).choices[0].text
+    stop = full[10:14]
+    cut = client.completions.create(model=model_path, prompt="Hello", max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    echo = client.completions.create(model=model_path, prompt="Hello", max_tokens=3, temperature=0, echo=True)
+    assert (
+        echo.choices[0].text.startswith("Hello")
+        and echo.choices[0].text == "Hello" + full[: len(echo.choices[0].text) - 5]
+    )
+    ids = client.completions.create(model=model_path, prompt=[[1, 2, 3], [4, 5]], max_tokens=2, temperature=0)
+    assert sorted(ch.index for ch in ids.choices) == [0, 1]
+
+
+def test_seed_reproducibility(client, model_path):
+    def sample(seed: int) -> str:
+        return (
+            client.completions.create(model=model_path, prompt="Once", max_tokens=16, temperature=1.0, seed=seed)
+            .choices[0]
+            .text
+        )
+
+    assert sample(11) == sample(11)
+    assert sample(11) != sample(12)
+
+
+def test_vllm_extra_body_fields(client, model_path):
+    full = client.completions.create(model=model_path, prompt="Hi", max_tokens=20, temperature=0)
+    tok = httpx.post(f"{client.base_url}".replace("/v1/", "/tokenize"), json={"prompt": full.choices[0].text}).json()
+    stop_id = tok["tokens"][2]
+    c = client.completions.create(
+        model=model_path,
+        prompt="Hi",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id], "min_tokens": 0, "ignore_eos": True, "skip_special_tokens": True},
+    )
+    assert c.choices[0].finish_reason == "stop" and c.choices[0].stop_reason == stop_id
+
+
+def test_greedy_server_output_equals_offline_llm(client, model_path):
+    prompts = ["Hello there", "The quick brown fox", "1 2 3 4"]
+    llm = LLM(model_path, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for prompt, ref in zip(prompts, offline, strict=True):
+        got = client.completions.create(
+            model=model_path, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert got.choices[0].text == ref.outputs[0].text
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    ref_chat = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    got_chat = client.chat.completions.create(
+        model=model_path, messages=messages, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert got_chat.choices[0].message.content == ref_chat[0].outputs[0].text
+
+
+# ------------------------------------------------------------------ concurrency and metrics
+
+
+def test_64_concurrent_streams_then_metrics_idle(server, model_path):
+    async def one(aclient, i: int) -> tuple[int, int]:
+        n = 8 + i % 24
+        stream = await aclient.completions.create(
+            model=model_path,
+            prompt=f"Request number {i}",
+            max_tokens=n,
+            temperature=0.5,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        usage = None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+        return n, usage
+
+    async def main():
+        aclient = server.async_client(timeout=300)
+        return await asyncio.gather(*(one(aclient, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert all(expected == got for expected, got in results), results
+    assert server.metric("kvserve:num_requests_running") == 0
+    assert server.metric("kvserve:num_requests_waiting") == 0
+    assert server.metric("kvserve:kv_cache_usage_perc") == 0
+    assert server.metric("kvserve:generation_tokens_total") >= sum(n for n, _ in results)
+    assert server.metric("kvserve:time_to_first_token_seconds_count") >= 64
+    for name in (
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "request_queue_time_seconds_count",
+        "prompt_tokens_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "num_preemptions_total",
+    ):
+        server.metric(f"kvserve:{name}")
+    assert server.metric("kvserve:request_success_total", finished_reason="length") >= 64
+
+
+# ------------------------------------------------------------------ bad input
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, "model"),
+    ("/v1/completions", {"prompt": "hi " * 300, "max_tokens": 10}, None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, None),
+    ("/v1/completions", {"prompt": ""}, None),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 100000}, "n"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": [1, 2]}, "stop"),
+    ("/v1/completions", {"prompt": [10**9]}, None),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, None),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD_REQUESTS)
+def test_bad_input_gets_400_with_openai_error_body(server, path, body, param):
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["code"] == 400
+    if param is not None:
+        assert err["param"] is not None and param in err["param"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_malformed_json_gets_400(server):
+    r = httpx.post(
+        f"{server.url}/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions", content=b"not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400
+
+
+def test_openai_client_sees_bad_request_error(client, model_path):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_path, prompt="hi", max_tokens=10**6)
+    assert "maximum context length" in str(e.value)
+
+
+# ------------------------------------------------------------------ disconnects
+
+
+def test_client_disconnect_aborts_within_a_second(server, model_path):
+    aborted_before = server.metric("kvserve:request_success_total", finished_reason="abort")
+    body = {
+        "model": model_path,
+        "prompt": "Long story",
+        "max_tokens": 200,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:") and json.loads(line[5:])["choices"][0]["text"]:
+                break  # one token received: hang up mid-generation
+    deadline = time.time() + 1.0
+    while time.time() < deadline:
+        if server.metric("kvserve:num_requests_running") == 0:
+            break
+        time.sleep(0.05)
+    assert server.metric("kvserve:num_requests_running") == 0
+    assert server.metric("kvserve:kv_cache_usage_perc") == 0
+    assert server.metric("kvserve:request_success_total", finished_reason="abort") == aborted_before + 1
