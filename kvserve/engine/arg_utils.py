@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass
 
@@ -51,6 +52,23 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes
     num_kv_blocks: int | None = None
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(
+            model=ns.model,
+            tokenizer=ns.tokenizer,
+            dtype=ns.dtype,
+            seed=ns.seed,
+            max_model_len=ns.max_model_len,
+            max_num_seqs=ns.max_num_seqs,
+            max_num_batched_tokens=ns.max_num_batched_tokens,
+            block_size=ns.block_size,
+            kv_cache_memory=ns.kv_cache_memory,
+            num_kv_blocks=ns.num_kv_blocks,
+            enable_prefix_caching=ns.enable_prefix_caching,
+            enable_chunked_prefill=ns.enable_chunked_prefill,
+        )
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model_path(self.model)
@@ -118,3 +136,60 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
         return EngineConfig(model=model, cache=cache, scheduler=scheduler)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every subcommand that builds an engine."""
+    d = EngineArgs()
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF model folder, .gguf file, or embedded model name (default: smollm2-135m-instruct)",
+    )
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder or .gguf (default: the model's)")
+    g.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CPU), bfloat16 or float32")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed for requests without their own")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 2048)")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=_bytes,
+        default=None,
+        help="KV cache budget, e.g. 2GiB or 512MiB (default: 40%% of free RAM, at most 4 GiB)",
+    )
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of shared prompt prefixes",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts across steps, next to running decodes",
+    )
+
+
+def _bytes(text: str) -> int:
+    units = {
+        "k": 1 << 10,
+        "m": 1 << 20,
+        "g": 1 << 30,
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+        "kb": 1000,
+        "mb": 1000**2,
+        "gb": 1000**3,
+        "b": 1,
+    }
+    t = text.strip().lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * units[suffix])
+    return int(t)

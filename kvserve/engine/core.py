@@ -8,6 +8,7 @@ from dataclasses import asdict
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler import Scheduler
 from kvserve.outputs import EngineCoreOutput
+from kvserve.profiling import StepTimer
 from kvserve.request import EngineCoreRequest, Request, RequestStatus
 from kvserve.worker.model_runner import ModelRunner
 
@@ -17,7 +18,8 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model, config.cache, config.scheduler)
+        self.timer = StepTimer()  # enable to account step time by phase (benchmarks)
+        self.runner = ModelRunner(config.model, config.cache, config.scheduler, self.timer)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
 
     @property
@@ -36,9 +38,13 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
-        scheduler_output = self.scheduler.schedule()
+        timer = self.timer
+        timer.steps += 1
+        with timer.phase("schedule"):
+            scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        with timer.phase("update"):
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

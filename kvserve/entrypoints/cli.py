@@ -7,81 +7,7 @@ import logging
 import sys
 import time
 
-from kvserve.engine.arg_utils import EngineArgs
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags shared by every subcommand that builds an engine."""
-    d = EngineArgs()
-    g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="HF model folder, .gguf file, or embedded model name (default: smollm2-135m-instruct)",
-    )
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder or .gguf (default: the model's)")
-    g.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CPU), bfloat16 or float32")
-    g.add_argument("--seed", type=int, default=d.seed, help="seed for requests without their own")
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 2048)")
-    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    g.add_argument(
-        "--kv-cache-memory",
-        type=_bytes,
-        default=None,
-        help="KV cache budget, e.g. 2GiB or 512MiB (default: 40%% of free RAM, at most 4 GiB)",
-    )
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)")
-    g.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse KV blocks of shared prompt prefixes",
-    )
-    g.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="split long prompts across steps, next to running decodes",
-    )
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(
-        model=ns.model,
-        tokenizer=ns.tokenizer,
-        dtype=ns.dtype,
-        seed=ns.seed,
-        max_model_len=ns.max_model_len,
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        block_size=ns.block_size,
-        kv_cache_memory=ns.kv_cache_memory,
-        num_kv_blocks=ns.num_kv_blocks,
-        enable_prefix_caching=ns.enable_prefix_caching,
-        enable_chunked_prefill=ns.enable_chunked_prefill,
-    )
-
-
-def _bytes(text: str) -> int:
-    units = {
-        "k": 1 << 10,
-        "m": 1 << 20,
-        "g": 1 << 30,
-        "kib": 1 << 10,
-        "mib": 1 << 20,
-        "gib": 1 << 30,
-        "kb": 1000,
-        "mb": 1000**2,
-        "gb": 1000**3,
-        "b": 1,
-    }
-    t = text.strip().lower()
-    for suffix in sorted(units, key=len, reverse=True):
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * units[suffix])
-    return int(t)
+from kvserve.engine.arg_utils import EngineArgs, add_cli_args
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -96,7 +22,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         seed=ns.sampling_seed,
     )
     start = time.perf_counter()
-    llm = LLM.from_engine_args(engine_args_from(ns))
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(ns))
     loaded = time.perf_counter()
     tokenizer = llm.get_tokenizer()
     use_chat = ns.chat if ns.chat is not None else bool(getattr(tokenizer, "chat_template", None))
@@ -120,7 +46,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from kvserve.entrypoints.openai.api_server import run_server
 
     run_server(
-        engine_args_from(ns),
+        EngineArgs.from_cli_args(ns),
         host=ns.host,
         port=ns.port,
         served_model_name=ns.served_model_name,
@@ -148,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="wrap the prompt in the model's chat template (default: when the model has one)",
     )
-    add_engine_args(gen)
+    add_cli_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser(
@@ -168,8 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
     )
-    add_engine_args(serve)
+    add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from kvserve.benchmarks import roofline, serve as serve_bench, throughput
+
+    bench = sub.add_parser("bench", help="benchmarks: offline throughput, serving load, rooflines")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    throughput.add_parser(bench_sub)
+    serve_bench.add_parser(bench_sub)
+    roofline.add_parser(bench_sub)
     return parser
 
 

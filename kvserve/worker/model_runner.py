@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,6 +19,7 @@ from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.loader.model_loader import load_model
 from kvserve.outputs import ModelRunnerOutput
+from kvserve.profiling import StepTimer
 from kvserve.sample.sampler import Sampler, SamplerOutput
 from kvserve.utils import cdiv
 from kvserve.worker.input_batch import InputBatch, RequestState
@@ -26,8 +29,28 @@ from kvserve.worker.sampling_inputs import build_sampling_metadata
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _StepInputs:
+    req_ids: list[str]  # in batch order: decodes first
+    states: list[RequestState]
+    rows: np.ndarray  # [R] InputBatch row of each request
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [R + 1]
+    seq_lens: np.ndarray  # [R] context length after this step
+    sample_idx: np.ndarray  # indices into req_ids of the requests that sample a token this step
+    attn_metadata: Any
+
+
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        timer: StepTimer | None = None,
+    ) -> None:
+        self.timer = timer or StepTimer()
         self.model_config = model_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -54,6 +77,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        timer = self.timer
+        with timer.phase("prepare_inputs"):
+            self._apply_scheduler_output(so)
+            if so.is_empty:
+                return ModelRunnerOutput([], [])
+            step = self._prepare_inputs(so)
+        with timer.phase("forward"):
+            hidden = self.model(
+                torch.from_numpy(step.input_ids), torch.from_numpy(step.positions), self.kv_caches, step.attn_metadata
+            )
+        batch = self.batch
+        batch.num_computed_tokens[step.rows] = step.seq_lens
+        sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
+        logprobs_lists: list = [None] * len(step.req_ids)
+        if len(step.sample_idx):
+            with timer.phase("logits"):
+                last_token = torch.from_numpy(step.query_start_loc[1:][step.sample_idx] - 1)
+                logits = self.model.compute_logits(hidden[last_token])
+            with timer.phase("sample"):
+                sample_states = [step.states[i] for i in step.sample_idx]
+                metadata = build_sampling_metadata(sample_states, batch, self.vocab_size, self.generator)
+                out = self.sampler(logits, metadata)
+                sampled = out.sampled_token_ids.numpy()
+                sample_rows = step.rows[step.sample_idx]
+                batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = sampled
+                batch.num_tokens[sample_rows] += 1
+                for j, i in enumerate(step.sample_idx.tolist()):
+                    sampled_lists[i] = [int(sampled[j])]
+                if out.logprobs is not None:
+                    self._collect_logprobs(out, step.sample_idx, sample_states, logprobs_lists)
+        has_logprobs = any(x is not None for x in logprobs_lists)
+        return ModelRunnerOutput(step.req_ids, sampled_lists, logprobs_lists if has_logprobs else None)
+
+    def _apply_scheduler_output(self, so: SchedulerOutput) -> None:
         batch = self.batch
         for req_id in so.finished_req_ids:
             batch.remove(req_id)
@@ -61,15 +118,15 @@ class ModelRunner:
             batch.add(new)
         for cached in so.scheduled_cached_reqs:
             batch.update(cached)
-        if so.is_empty:
-            return ModelRunnerOutput([], [])
 
+    def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
+        """Token ids, positions, slot mapping and attention metadata for the step, by numpy indexing."""
+        batch = self.batch
         # Single-token queries (decodes) first: the attention backend batches them.
         req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] > 1)
         states = [batch.states[r] for r in req_ids]
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
         q_lens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(states))
-        num_decodes = int(np.count_nonzero(q_lens == 1))
 
         start_pos = batch.num_computed_tokens[rows]
         query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
@@ -78,44 +135,30 @@ class ModelRunner:
         token_req = np.repeat(np.arange(len(rows)), q_lens)  # request index of each token
         positions = start_pos[token_req] + np.arange(num_tokens) - query_start_loc[token_req]
         token_rows = rows[token_req]
-        input_ids = batch.token_ids[token_rows, positions]
         block_ids = batch.block_table[token_rows, positions // self.block_size].astype(np.int64)
-        slot_mapping = block_ids * self.block_size + positions % self.block_size
         seq_lens = start_pos + q_lens
-
         attn_metadata = self.attn_backend.build_metadata(
             AttentionInputs(
-                num_decodes=num_decodes,
+                num_decodes=int(np.count_nonzero(q_lens == 1)),
                 query_start_loc=query_start_loc,
                 seq_lens=seq_lens,
                 block_table=batch.block_table[rows],
-                slot_mapping=slot_mapping,
+                slot_mapping=block_ids * self.block_size + positions % self.block_size,
                 block_size=self.block_size,
             )
         )
-        hidden = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches, attn_metadata)
-
-        # Only requests whose known tokens are now all computed produce a token (not mid-prompt chunks).
-        num_known = batch.num_tokens[rows]
-        sampling = seq_lens >= num_known
-        sample_idx = np.flatnonzero(sampling)
-        batch.num_computed_tokens[rows] = seq_lens
-        sampled_lists: list[list[int]] = [[] for _ in req_ids]
-        logprobs_lists: list = [None] * len(req_ids)
-        if len(sample_idx):
-            logits = self.model.compute_logits(hidden[torch.from_numpy(query_start_loc[1:][sample_idx] - 1)])
-            sample_states = [states[i] for i in sample_idx]
-            out = self.sampler(logits, build_sampling_metadata(sample_states, batch, self.vocab_size, self.generator))
-            sampled = out.sampled_token_ids.numpy()
-            sample_rows = rows[sample_idx]
-            batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = sampled
-            batch.num_tokens[sample_rows] += 1
-            for j, i in enumerate(sample_idx.tolist()):
-                sampled_lists[i] = [int(sampled[j])]
-            if out.logprobs is not None:
-                self._collect_logprobs(out, sample_idx, sample_states, logprobs_lists)
-        has_logprobs = any(x is not None for x in logprobs_lists)
-        return ModelRunnerOutput(req_ids, sampled_lists, logprobs_lists if has_logprobs else None)
+        return _StepInputs(
+            req_ids=req_ids,
+            states=states,
+            rows=rows,
+            input_ids=batch.token_ids[token_rows, positions],
+            positions=positions,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            # Only requests whose known tokens are now all computed produce a token (not mid-prompt chunks).
+            sample_idx=np.flatnonzero(seq_lens >= batch.num_tokens[rows]),
+            attn_metadata=attn_metadata,
+        )
 
     @staticmethod
     def _collect_logprobs(out: SamplerOutput, sample_idx: np.ndarray, states: list[RequestState], dest: list) -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvserve bench`: datasets, offline throughput, serving load generator, rooflines, plots."""

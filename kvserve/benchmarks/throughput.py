@@ -1,0 +1,235 @@
+"""`kvserve bench throughput`: offline throughput, like `vllm bench throughput`.
+
+Runs a dataset through kvserve's offline engine and, with --hf-batch-sizes, through HF transformers `generate`
+with static batches (left-padded, prompts sorted by length; each batch decodes until its longest request is done
+and only each request's own output tokens count) on the same model, dtype and workload, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from kvserve.benchmarks.datasets import DATASETS, BenchRequest, DatasetSpec, build_dataset
+from kvserve.engine.arg_utils import EngineArgs, add_cli_args
+
+
+@dataclass
+class ThroughputResult:
+    name: str
+    seconds: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.seconds
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
+
+    def to_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "requests_per_s": self.requests_per_s,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "total_tokens_per_s": self.total_tokens_per_s,
+        }
+
+
+def run_kvserve(llm, requests: list[BenchRequest], name: str = "kvserve", temperature: float = 1.0) -> ThroughputResult:
+    from kvserve.sampling_params import SamplingParams
+
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=True, seed=i)
+        for i, r in enumerate(requests)
+    ]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    expected = sum(r.output_len for r in requests)
+    assert produced == expected, f"produced {produced} tokens, expected {expected}"
+    return ThroughputResult(name, seconds, len(requests), sum(r.prompt_len for r in requests), produced)
+
+
+def load_hf_model(model_path: str, dtype: str):
+    import torch
+    import transformers
+
+    torch_dtype = getattr(torch, dtype)
+    if model_path.endswith(".gguf"):
+        # Dense weights, like kvserve's; transformers would otherwise keep GGUF blocks and run its own fp32 kernels.
+        folder, name = os.path.split(model_path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch_dtype, quantization_config=transformers.GgufConfig(dequantize=True)
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+    return model.eval()
+
+
+def run_hf(model, requests: list[BenchRequest], batch_size: int, pad_id: int) -> ThroughputResult:
+    import torch
+
+    order = sorted(range(len(requests)), key=lambda i: requests[i].prompt_len)  # less padding: a fair baseline
+    start = time.perf_counter()
+    for b in range(0, len(order), batch_size):
+        idx = order[b : b + batch_size]
+        width = max(requests[i].prompt_len for i in idx)
+        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            p = requests[i].prompt_token_ids
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        new = max(requests[i].output_len for i in idx)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                pad_token_id=pad_id,
+            )
+    seconds = time.perf_counter() - start
+    return ThroughputResult(
+        f"hf-generate-bs{batch_size}",
+        seconds,
+        len(requests),
+        sum(r.prompt_len for r in requests),
+        sum(r.output_len for r in requests),
+    )
+
+
+def add_dataset_args(p: argparse.ArgumentParser, default: str = "random", with_seed: bool = True) -> None:
+    """Dataset flags. `with_seed=False` when the parser gets the engine's --seed, which then seeds both."""
+    g = p.add_argument_group("dataset")
+    g.add_argument("--dataset", choices=DATASETS, default=default)
+    g.add_argument("--num-requests", type=int, default=128)
+    g.add_argument(
+        "--input-len",
+        type=int,
+        nargs=2,
+        default=[64, 512],
+        metavar=("MIN", "MAX"),
+        help="prompt length range (shared-prefix: the unique suffix; multi-turn: each user message)",
+    )
+    g.add_argument("--output-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
+    if with_seed:
+        g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt length")
+    g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts")
+    g.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    g.add_argument("--num-long", type=int, default=4, help="long-prompt: number of long prompts")
+    g.add_argument("--long-len", type=int, nargs=2, default=[2048, 3072], metavar=("MIN", "MAX"))
+
+
+def dataset_spec(ns: argparse.Namespace) -> DatasetSpec:
+    return DatasetSpec(
+        name=ns.dataset,
+        num_requests=ns.num_requests,
+        seed=ns.seed,
+        input_len=tuple(ns.input_len),
+        output_len=tuple(ns.output_len),
+        options={
+            "prefix_len": ns.prefix_len,
+            "num_prefixes": ns.num_prefixes,
+            "turns": ns.turns,
+            "num_long": ns.num_long,
+            "long_len": tuple(ns.long_len),
+        },
+    )
+
+
+def main(ns: argparse.Namespace) -> int:
+    from kvserve.engine.llm import LLM
+    from kvserve.loader.default_model import resolve_model_path
+
+    args = EngineArgs.from_cli_args(ns)
+    t0 = time.perf_counter()
+    llm = LLM.from_engine_args(args)
+    print(f"kvserve loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    vocab = llm.engine.config.model.arch.vocab_size
+    requests = build_dataset(dataset_spec(ns), vocab)
+    print(
+        f"{ns.dataset}: {len(requests)} requests, {sum(r.prompt_len for r in requests)} prompt + "
+        f"{sum(r.output_len for r in requests)} output tokens",
+        file=sys.stderr,
+    )
+
+    # Warm-up outside the timing: allocator, oneDNN kernel selection, first touch of some KV pages.
+    warm = DatasetSpec("random", num_requests=8, seed=ns.seed + 1, input_len=(64, 128), output_len=(8, 16))
+    run_kvserve(llm, build_dataset(warm, vocab), "warmup")
+    results = [run_kvserve(llm, requests)]
+    print(f"kvserve: {results[0].output_tokens_per_s:.1f} output tok/s", file=sys.stderr)
+    stats = llm.stats()
+    del llm
+
+    if ns.hf_batch_sizes:
+        hf = load_hf_model(resolve_model_path(ns.model), args.create_engine_config().model.dtype)
+        pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+        for bs in ns.hf_batch_sizes:
+            r = run_hf(hf, requests, bs, pad)
+            print(f"{r.name}: {r.output_tokens_per_s:.1f} output tok/s", file=sys.stderr)
+            results.append(r)
+
+    print_results(results)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(
+                {
+                    "dataset": asdict(dataset_spec(ns)),
+                    "results": [r.to_dict() for r in results],
+                    "kvserve_stats": stats,
+                },
+                f,
+                indent=2,
+            )
+    return 0
+
+
+def print_results(results: list[ThroughputResult]) -> None:
+    print(f"{'engine':<24}{'req/s':>8}{'output tok/s':>14}{'total tok/s':>13}{'seconds':>10}")
+    for r in results:
+        print(
+            f"{r.name:<24}{r.requests_per_s:>8.2f}{r.output_tokens_per_s:>14.1f}{r.total_tokens_per_s:>13.1f}"
+            f"{r.seconds:>10.1f}"
+        )
+    hf = [r for r in results if r.name.startswith("hf-")]
+    if hf:
+        best = max(hf, key=lambda r: r.output_tokens_per_s)
+        print(
+            f"kvserve / best HF ({best.name}): {results[0].output_tokens_per_s / best.output_tokens_per_s:.2f}x "
+            "output tok/s"
+        )
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("throughput", help="offline throughput (kvserve, optionally vs HF transformers)")
+    add_dataset_args(p, with_seed=False)
+    p.add_argument(
+        "--hf-batch-sizes",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also run HF transformers generate with these static batch sizes",
+    )
+    p.add_argument("--json", default=None, help="write results to this file")
+    add_cli_args(p)
+    p.set_defaults(func=main)
