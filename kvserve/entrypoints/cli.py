@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    from kvserve.benchmarks import roofline, serve as serve_bench, throughput
+    from kvserve.benchmarks import roofline, throughput
+    from kvserve.benchmarks import serve as serve_bench
 
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, serving load, rooflines")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
