@@ -1,7 +1,7 @@
 """Paged attention for the CPU.
 
 Decodes (one query token each) go to a C++ kernel that reads K/V through the block tables
-(csrc/paged_attention.cpp); where it cannot be built, a pure-torch path gathers each sequence's blocks into a
+(kernels/csrc/paged_attention.cpp); where it cannot be built, a pure-torch path gathers each sequence's blocks into a
 padded context and uses two batched matmuls (several times slower at large batch: the gather and relayout
 copies dominate). Prefill chunks run one request at a time through SDPA with a causal mask offset by the
 request's cached context; a chunk with no cached context attends over its own fresh K/V without touching the
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
-from kvserve.attention.cpu_kernels import load_cpu_kernels
+from kvserve.kernels.cpu import load_cpu_kernels
 
 
 @dataclass

@@ -68,7 +68,8 @@ def allocate_kv_cache(num_blocks: int, block_size: int, arch: ArchConfig, dtype:
     per_tensor = num_blocks * block_size * arch.num_key_value_heads * arch.head_dim
     num_tensors = 2 * arch.num_hidden_layers
     element = torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, num_tensors * per_tensor * element)
+    # Private, not Python's default shared mapping: shared anonymous memory is shmem, which gets no huge pages.
+    buf = mmap.mmap(-1, num_tensors * per_tensor * element, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)
     flat = torch.frombuffer(buf, dtype=dtype)  # keeps `buf` alive

@@ -27,7 +27,10 @@ def reference_attention(q, k, v, scale):
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp-kernel", "torch"])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (6, 2, 64), (4, 1, 24)])
+# head_dim 64/128 with GQA groups 1-8 take the kernel's AVX-512 fast path; 24 and 32 the generic one.
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(4, 4, 32), (6, 2, 64), (4, 1, 24), (8, 2, 128), (2, 2, 64), (8, 1, 64)]
+)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_mixed_batch_matches_reference(use_kernel, dtype, atol, num_heads, num_kv_heads, head_dim, block_size):
     torch.manual_seed(0)

