@@ -3,12 +3,14 @@
 Order (as in vLLM): raw logprobs are taken from the model's logits before anything else; then min_tokens
 masking, penalties, the greedy pick; then temperature, min-p, top-k, top-p and a random draw for the rest.
 
-Random draws invert the CDF: one uniform u per row, then the first token whose cumulative probability exceeds
-u * total. On this CPU that is ~25x cheaper than the exponential race argmax(p / E) (which needs a random number
-per vocabulary entry: ~100 ms per step at batch 128, as much as the forward pass), and the fused C++ kernel
-(kvserve/kernels/csrc/sampling.cpp) is ~10x cheaper again than softmax + cumsum in torch. Each seeded request takes its
-u from a generator seeded by (seed, position), so its tokens depend on nothing else in the batch and survive
-preemption and recomputation unchanged.
+Random draws use the Gumbel-max trick: token = argmax(logits + G), G = -log(-log(U)), which picks token i with
+probability softmax(logits)_i. U comes from a counter-based hash of (row key, token index), not from a stateful
+generator, so it costs a few vector instructions per entry (torch's Mersenne Twister needed ~1 ms per row of 49k)
+and a seeded request's draw depends on nothing but its key. Its key is derived from (seed, position), so its
+tokens are the same whatever else is in the batch and survive preemption and recomputation. The argmax form is
+also what makes that hold in practice: different batch compositions round the logits differently (by ~1e-6),
+and an argmax only moves if the two best perturbed values are that close, whereas an inverse-CDF draw shifts
+whenever the truncated tail's mass does. The C++ kernel (kvserve/kernels/csrc/sampling.cpp) fuses the pass.
 """
 
 from __future__ import annotations
@@ -103,30 +105,38 @@ class Sampler:
             logits = apply_min_p(logits, md.min_p)
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        u = torch.rand(logits.shape[0], generator=md.generator)
+        keys = torch.randint(0, _KEY_RANGE, (logits.shape[0],), generator=md.generator)
         for row, (seed, position) in md.seeds.items():
-            u[row] = torch.rand(1, generator=_position_generator(seed, position))
+            keys[row] = position_key(seed, position)
         if self.kernels is not None and logits.device.type == "cpu":
-            return self.kernels.sample_from_logits(logits.float().contiguous(), u)
-        return inverse_cdf_sample(torch.softmax(logits, dim=-1), u)
+            return self.kernels.sample_gumbel(logits.float().contiguous(), keys)
+        return gumbel_sample(logits, keys)
 
 
-def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """probs [B, V] (rows need not sum to exactly 1), u [B] in [0, 1) -> token ids [B].
-
-    A token of probability 0 leaves the CDF flat and can never be the first entry above the threshold; the
-    threshold is kept strictly below the row total so the search never runs past the last token. A row without
-    a distribution (NaN from a broken model) still yields a valid token id, never an out-of-range one.
-    """
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1]
-    threshold = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, threshold[:, None], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+_KEY_RANGE = 1 << 62
 
 
-def _position_generator(seed: int, position: int) -> torch.Generator:
-    mixed = xxhash.xxh64_intdigest(f"{seed}:{position}".encode()) & ((1 << 63) - 1)
-    return torch.Generator().manual_seed(mixed)
+def position_key(seed: int, position: int) -> int:
+    """The noise key of a seeded request's draw at `position`: a hash of both, independent of everything else."""
+    return xxhash.xxh64_intdigest(f"{seed}:{position}".encode()) % _KEY_RANGE
+
+
+def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Torch version of the kernel's draw (same hash; a different log, so not bit-identical): [B, V], [B] -> [B]."""
+    mask32 = 0xFFFFFFFF
+
+    def mix32(h: torch.Tensor) -> torch.Tensor:
+        h = h ^ (h >> 16)
+        h = (h * 0x7FEB352D) & mask32
+        h = h ^ (h >> 15)
+        h = (h * 0x846CA68B) & mask32
+        return h ^ (h >> 16)
+
+    idx = torch.arange(logits.shape[-1], dtype=torch.int64)[None, :]
+    h = mix32(mix32(idx ^ (keys[:, None] & mask32)) ^ ((keys[:, None] >> 32) & mask32))
+    u = ((h >> 9).to(torch.float32) + 0.5) / 8388608.0  # 23 bits: exact in fp32, strictly inside (0, 1)
+    g = -torch.log(-torch.log(u))
+    return (logits.float() + g).argmax(dim=-1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -148,6 +148,29 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// Natural log for x > 0 (exponent/mantissa split and the Cephes polynomial; relative error < 1e-7).
+inline __m512 log_ps(__m512 x) {
+  __m512 e = _mm512_getexp_ps(x);
+  __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+  const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356f), _CMP_GT_OQ);
+  m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
+  e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.0f));
+  const __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
+  const __m512 z = _mm512_mul_ps(f, f);
+  __m512 y = _mm512_set1_ps(7.0376836292E-2f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.1514610310E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.1676998740E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.2420140846E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.4249322787E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.6668057665E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.0000714765E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-2.4999993993E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(3.3333331174E-1f));
+  y = _mm512_mul_ps(_mm512_mul_ps(y, f), z);
+  y = _mm512_fnmadd_ps(z, _mm512_set1_ps(0.5f), y);
+  return _mm512_fmadd_ps(e, _mm512_set1_ps(0.69314718056f), _mm512_add_ps(f, y));
+}
+
 // [sum(v[0]), ..., sum(v[15])]: 16 horizontal sums in one butterfly (~46 instructions instead of 16 reductions).
 inline __m512 hsum16(const __m512* v) {
   __m512 s1[8];
