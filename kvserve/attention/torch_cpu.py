@@ -90,13 +90,21 @@ class TorchAttentionBackend(AttentionBackend):
         # Every write before any read (see AttentionBackend.forward). Decodes read whole padded blocks, and a
         # masked weight of 0 times a stale NaN is still NaN; so the cache never takes a non-finite value, and one
         # broken request cannot poison the requests that reuse its blocks later.
-        k = torch.nan_to_num(k)
-        v = torch.nan_to_num(v)
-        key_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, k)
-        value_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, v)
+        if self.kernels is not None:
+            self.kernels.write_kv(
+                k.reshape(num_tokens, hkv * hd), v.reshape(num_tokens, hkv * hd), key_cache, value_cache,
+                metadata.slot_mapping,
+            )
+        else:
+            k = torch.nan_to_num(k)
+            v = torch.nan_to_num(v)
+            key_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, k)
+            value_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, v)
 
-        out = torch.empty(num_tokens, self.num_heads, hd, dtype=q.dtype)
         d = metadata.num_decodes
+        if d == num_tokens:  # decodes only (the common step): no output buffer to fill
+            return self._decode(q.contiguous(), key_cache, value_cache, metadata, scale).view(num_tokens, -1)
+        out = torch.empty(num_tokens, self.num_heads, hd, dtype=q.dtype)
         if d:
             out[:d] = self._decode(q[:d].contiguous(), key_cache, value_cache, metadata, scale)
         for span in metadata.prefills:

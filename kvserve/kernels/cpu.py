@@ -17,7 +17,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "bindings.cpp", _CSRC / "paged_attention.cpp", _CSRC / "sampling.cpp"]
+_SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "sampling.cpp", "elementwise.cpp")]
 
 
 @functools.cache

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from kvserve.kernels.cpu import load_cpu_kernels
+
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     # Same arithmetic as HF (int64 arange cast to fp32) so fp32 angles match bit for bit.
@@ -44,12 +46,19 @@ class RotaryEmbedding(nn.Module):
         # NOTE: cached in the model dtype because HF casts cos/sin to it before use.
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)  # [max_position, head_dim // 2]
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        self._kernels = load_cpu_kernels()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, H, D]; k [T, KVH, D] -> rotated (q, k)."""
+    def rotate_(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
+        """Rotate, in place, the first `num_heads` heads of each row of x [T, >= num_heads * D] (a view into the
+        fused qkv output: q heads then k heads, rows of any stride)."""
+        head_dim = 2 * self.cos.shape[1]
+        if self._kernels is not None and x.device.type == "cpu" and x.stride(-1) == 1:
+            self._kernels.rotary_(x, positions, self.cos, self.sin, num_heads, head_dim)
+            return
+        heads = x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        heads.copy_(_rotate(heads, cos, sin))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -44,15 +44,18 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, attn_metadata: Any) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        qk_size = self.q_size + self.kv_size
         if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            # Qwen3: per-head RMSNorm of q and k before RoPE, written back so RoPE can rotate them in place.
+            qkv[:, : self.q_size] = self.q_norm(qkv[:, : self.q_size].reshape(-1, self.head_dim)).view(t, -1)
+            qkv[:, self.q_size : qk_size] = self.k_norm(qkv[:, self.q_size : qk_size].reshape(-1, self.head_dim)).view(
+                t, -1
+            )
+        self.rotary.rotate_(positions, qkv[:, :qk_size], self.num_heads + self.num_kv_heads)
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
         return self.o_proj(out)
 

@@ -5,8 +5,16 @@
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale);
 at::Tensor sample_gumbel(at::Tensor logits, at::Tensor keys);
+void rms_norm_(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
+void rotary_(at::Tensor qk, at::Tensor positions, at::Tensor cos, at::Tensor sin, int64_t num_heads, int64_t head_dim);
+at::Tensor silu_and_mul(at::Tensor x);
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode, "paged attention for single-token queries (CPU)");
+  m.def("rms_norm_", &rms_norm_, "in-place (residual add +) RMSNorm");
+  m.def("rotary_", &rotary_, "in-place rotate-half RoPE on the first heads of each row");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("write_kv", &write_kv, "write K/V rows into their cache slots (non-finite values sanitised)");
   m.def("sample_gumbel", &sample_gumbel, "one categorical draw per row of logits (Gumbel-max, hashed noise)");
 }

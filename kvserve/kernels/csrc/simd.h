@@ -148,6 +148,23 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// Store 16 floats as T, and round 16 floats to T's precision (fp32: identity; bf16: round to nearest even, as
+// c10::BFloat16 does for finite values).
+inline __m256i bf16_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(v));
+}
+inline __m512 round16(float, __m512 v) { return v; }
+inline __m512 round16(at::BFloat16, __m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
+}
+
 // Natural log for x > 0 (exponent/mantissa split and the Cephes polynomial; relative error < 1e-7).
 inline __m512 log_ps(__m512 x) {
   __m512 e = _mm512_getexp_ps(x);
