@@ -92,7 +92,10 @@ class TorchAttentionBackend(AttentionBackend):
         # broken request cannot poison the requests that reuse its blocks later.
         if self.kernels is not None:
             self.kernels.write_kv(
-                k.reshape(num_tokens, hkv * hd), v.reshape(num_tokens, hkv * hd), key_cache, value_cache,
+                k.reshape(num_tokens, hkv * hd),
+                v.reshape(num_tokens, hkv * hd),
+                key_cache,
+                value_cache,
                 metadata.slot_mapping,
             )
         else:
