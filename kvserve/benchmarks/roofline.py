@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -46,6 +48,19 @@ def measure_machine(dtype: torch.dtype = torch.bfloat16) -> MachineLimits:
         best = min(best, time.perf_counter() - t)
     bandwidth = 2 * src.numel() * 4 / best / 1e9
     return MachineLimits(gflops, bandwidth)
+
+
+def count_parameters(arch) -> int:
+    """Parameters as the checkpoint counts them (a tied LM head once). Counted from the architecture because the
+    runner's prepacked linears keep their weights outside `nn.Module.parameters()`."""
+    h, d = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+    attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if arch.attention_bias else 0) + (2 * d if arch.qk_norm else 0)
+    mlp = 3 * h * arch.intermediate_size
+    layer = attn + mlp + 2 * h
+    embed = arch.vocab_size * h
+    head = 0 if arch.tie_word_embeddings else arch.vocab_size * h
+    return arch.num_hidden_layers * layer + embed + head + h
 
 
 @dataclass
@@ -101,15 +116,58 @@ def profile_split(llm, num_requests: int = 64, seed: int = 0) -> dict[str, float
     requests = build_dataset(DatasetSpec("random", num_requests, seed, (64, 512), (64, 256)), vocab)
     core.timer.reset()
     core.timer.enabled = True
-    start = time.perf_counter()
-    run_kvserve(llm, requests, "profile")
-    total = time.perf_counter() - start
+    with _op_timers() as ops:
+        start = time.perf_counter()
+        run_kvserve(llm, requests, "profile")
+        total = time.perf_counter() - start
     core.timer.enabled = False
     split = {k: v / total for k, v in core.timer.seconds.items()}
     split["frontend+other"] = 1.0 - sum(split.values())
     split["steps"] = core.timer.steps
     split["seconds"] = total
+    # Inside forward + logits: the layers' share of the whole run (attention includes the KV-cache writes).
+    inner = {f"  {k}": v / total for k, v in ops.items()}
+    inner["  other ops"] = split.get("forward", 0.0) + split.get("logits", 0.0) - sum(inner.values())
+    split.update(inner)
     return split
+
+
+@contextmanager
+def _op_timers():
+    """Wall time per layer kind, by wrapping the modules' entry points (CPU ops are synchronous, so the time a
+    call takes is the time its kernels take). Costs ~1 us per call: negligible next to the ops themselves."""
+    from kvserve.attention.torch_cpu import TorchAttentionBackend
+    from kvserve.layers.linear import Linear
+    from kvserve.layers.norm import RMSNorm
+    from kvserve.layers.rotary import RotaryEmbedding
+    from kvserve.models import llama
+
+    totals: dict[str, float] = defaultdict(float)
+    patched = [
+        (Linear, "forward", "linear"),
+        (TorchAttentionBackend, "forward", "attention"),
+        (RMSNorm, "forward", "rmsnorm"),
+        (RotaryEmbedding, "rotate_", "rotary"),
+        (llama, "silu_and_mul", "silu_and_mul"),
+    ]
+    originals = []
+    for owner, attr, name in patched:
+        original = getattr(owner, attr)
+        originals.append((owner, attr, original))
+
+        def timed(*args, _original=original, _name=name, **kwargs):
+            t = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                totals[_name] += time.perf_counter() - t
+
+        setattr(owner, attr, timed)
+    try:
+        yield totals
+    finally:
+        for owner, attr, original in originals:
+            setattr(owner, attr, original)
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -117,9 +175,9 @@ def main(ns: argparse.Namespace) -> int:
 
     args = EngineArgs.from_cli_args(ns)
     llm = LLM.from_engine_args(args)
-    model = llm.engine.engine_core.runner.model
+    llm.engine.engine_core.runner.prefault_kv_cache()  # as in `bench throughput`: time steady state
     dtype = getattr(torch, llm.engine.config.model.dtype)
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = count_parameters(llm.engine.config.model.arch)
     limits = measure_machine(dtype)
     weight_bytes = num_params * torch.empty((), dtype=dtype).element_size()
     compute_roof = limits.matmul_gflops * 1e9 / (2 * num_params)

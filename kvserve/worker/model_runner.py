@@ -6,6 +6,7 @@ Holds the model, the KV cache tensors and its own per-request state (InputBatch)
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ from kvserve.profiling import StepTimer
 from kvserve.sample.sampler import Sampler, SamplerOutput
 from kvserve.utils import cdiv
 from kvserve.worker.input_batch import InputBatch, RequestState
-from kvserve.worker.kv_cache import allocate_kv_cache, num_blocks_for
+from kvserve.worker.kv_cache import allocate_kv_cache, num_blocks_for, prefault_kv_cache
 from kvserve.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,17 @@ class ModelRunner:
         )
         self.num_blocks = num_blocks_for(cache_config, arch, self.dtype)
         self.kv_caches: list[KVCache] = allocate_kv_cache(self.num_blocks, cache_config.block_size, arch, self.dtype)
+        self._prefault_stop = threading.Event()
+
+    def prefault_kv_cache(self, background: bool = False) -> None:
+        """Fault the whole KV pool in now (benchmarks, before timing) or from a daemon thread (the server, which
+        is idle at start-up). Safe while steps run: the pages' contents are not changed."""
+        if not background:
+            prefault_kv_cache(self.kv_caches)
+            return
+        threading.Thread(
+            target=prefault_kv_cache, args=(self.kv_caches, self._prefault_stop), name="kv-prefault", daemon=True
+        ).start()
 
     # ------------------------------------------------------------------ one step
 

@@ -33,6 +33,11 @@ inline void prefetch_range(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
 }
 
+// Task order: 0, n-1, 1, n-2, ... at::parallel_for hands each thread a contiguous range of indices; with this
+// order every range mixes early and late tasks, so the threads stay balanced when the work per task grows along
+// the batch (the query tokens of one prompt chunk, each seeing one more key than the last).
+inline int64_t interleaved(int64_t i, int64_t n) { return (i % 2 == 0) ? i / 2 : n - 1 - i / 2; }
+
 // One task = one sequence and a run of `heads_per_task` kv heads. Whole token rows of a block are contiguous
 // ([block_size, Hkv, D]), so a task that takes every kv head streams each block front to back, which the
 // hardware prefetcher follows; a task per (sequence, kv head) would read 1/Hkv of every row with a stride and
@@ -50,7 +55,8 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
   at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(nq * hd), acc(nq * hd), scores(nq * block_size), row(token_stride);
     std::vector<float> m(nq), l(nq);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t task = interleaved(i, num_seqs * tasks_per_seq);
       const int64_t s = task / tasks_per_seq;
       const int64_t h0 = (task % tasks_per_seq) * heads_per_task;  // first kv head of the task
       const int64_t len = seq_lens[s];
@@ -140,7 +146,8 @@ struct FastDecode {
     at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qf_all(nq * HD), acc(nq * HD), scores(nq * block_size), m(nq), l(nq);
       std::vector<uint16_t> qb_all(nq * HD);
-      for (int64_t task = begin; task < end; ++task) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t task = interleaved(i, num_seqs * tasks_per_seq);
         const int64_t s = task / tasks_per_seq;
         const int64_t h0 = (task % tasks_per_seq) * heads_per_task;
         const int64_t len = seq_lens[s];
