@@ -71,7 +71,10 @@ class Server:
 
 
 def kvserve_server(out: Path, name: str, *flags: str) -> Server:
-    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(PORT), *flags]
+    # --kv-prefault sync: the server reports healthy once its KV pool is faulted in, so that the background
+    # prefault (the default) does not share the CPU with the measurement.
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(PORT), "--kv-prefault", "sync"]
+    cmd += list(flags)
     return Server(cmd, out / f"server-{name}.log")
 
 

@@ -52,6 +52,9 @@ class CacheConfig:
     # Exact number of blocks (overrides kv_cache_memory), like vLLM's num_gpu_blocks_override.
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # Fault the KV pool's pages in at start-up: "off" (on first use), "sync" (before the engine is ready) or
+    # "background" (a daemon thread; what `kvserve serve` does).
+    kv_prefault: str = "off"
 
 
 @dataclass(frozen=True)

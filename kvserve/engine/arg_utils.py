@@ -52,6 +52,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes
     num_kv_blocks: int | None = None
+    kv_prefault: str = "off"  # "off" | "sync" | "background"; `kvserve serve` defaults to background
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -68,6 +69,7 @@ class EngineArgs:
             num_kv_blocks=ns.num_kv_blocks,
             enable_prefix_caching=ns.enable_prefix_caching,
             enable_chunked_prefill=ns.enable_chunked_prefill,
+            kv_prefault=ns.kv_prefault or "off",
         )
 
     def create_engine_config(self) -> EngineConfig:
@@ -98,6 +100,8 @@ class EngineArgs:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kv_prefault not in ("off", "sync", "background"):
+            raise ValueError(f"kv_prefault must be off, sync or background, got {self.kv_prefault!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         budget = self.max_num_batched_tokens
@@ -128,6 +132,7 @@ class EngineArgs:
             kv_cache_memory=self.kv_cache_memory,
             num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
+            kv_prefault=self.kv_prefault,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -172,6 +177,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="split long prompts across steps, next to running decodes",
+    )
+    g.add_argument(
+        "--kv-prefault",
+        choices=["off", "sync", "background"],
+        default=None,
+        help="fault the KV pool's memory in at start-up: before the engine is ready (sync), from a background "
+        "thread, or on first use (off); default: background for serve, off otherwise",
     )
 
 

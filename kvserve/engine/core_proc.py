@@ -63,8 +63,6 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
 
         core = EngineCore(config)
         outputs.send(encoder.encode(Ready(core.runner.num_blocks, core.max_tokens_per_request)))
-        # A server is mostly idle at start-up: fault the KV pool in then, not inside the first requests' steps.
-        core.runner.prefault_kv_cache(background=True)
         _busy_loop(core, inputs, outputs, parent)
     finally:
         inputs.close(linger=0)

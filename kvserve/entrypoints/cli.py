@@ -45,8 +45,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from kvserve.entrypoints.openai.api_server import run_server
 
+    args = EngineArgs.from_cli_args(ns)
+    if ns.kv_prefault is None:  # a server is idle at start-up: fault the KV pool in then, not in the first steps
+        args.kv_prefault = "background"
     run_server(
-        EngineArgs.from_cli_args(ns),
+        args,
         host=ns.host,
         port=ns.port,
         served_model_name=ns.served_model_name,

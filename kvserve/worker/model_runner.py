@@ -74,6 +74,8 @@ class ModelRunner:
         self.num_blocks = num_blocks_for(cache_config, arch, self.dtype)
         self.kv_caches: list[KVCache] = allocate_kv_cache(self.num_blocks, cache_config.block_size, arch, self.dtype)
         self._prefault_stop = threading.Event()
+        if cache_config.kv_prefault != "off":
+            self.prefault_kv_cache(background=cache_config.kv_prefault == "background")
 
     def prefault_kv_cache(self, background: bool = False) -> None:
         """Fault the whole KV pool in now (benchmarks, before timing) or from a daemon thread (the server, which

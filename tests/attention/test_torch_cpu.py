@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvserve.attention import torch_cpu
 from kvserve.attention.base import AttentionInputs
 from kvserve.attention.torch_cpu import TorchAttentionBackend
 
@@ -25,14 +26,19 @@ def reference_attention(q, k, v, scale):
     return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp-kernel", "torch"])
+@pytest.mark.parametrize("mode", ["cpp-kernel", "cpp-kernel+sdpa", "torch"])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 # head_dim 64/128 with GQA groups 1-8 take the kernel's AVX-512 fast path; 24 and 32 the generic one.
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim", [(4, 4, 32), (6, 2, 64), (4, 1, 24), (8, 2, 128), (2, 2, 64), (8, 1, 64)]
 )
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_mixed_batch_matches_reference(use_kernel, dtype, atol, num_heads, num_kv_heads, head_dim, block_size):
+def test_mixed_batch_matches_reference(mode, dtype, atol, num_heads, num_kv_heads, head_dim, block_size, monkeypatch):
+    use_kernel = mode != "torch"
+    if mode == "cpp-kernel+sdpa":
+        # Chunks of over 4 tokens with a context over 20, (21, 5) and (3, 30), go to SDPA; the rest to the kernel.
+        monkeypatch.setattr(torch_cpu, "_KERNEL_MAX_PREFILL_CONTEXT", 20)
+        monkeypatch.setattr(torch_cpu, "_KERNEL_MAX_QUERY_TOKENS", 4)
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     # (cached context, new query tokens): decodes first, then prefill chunks with and without context.

@@ -66,6 +66,9 @@ class Server:
             model,
             "--port",
             str(self.port),
+            # The server prefaults its KV pool in the background; keep that pool small next to the other tests.
+            "--kv-cache-memory",
+            "512MiB",
             *extra,
         ]
         self.log_path = f"/tmp/kvserve-test-server-{self.port}.log"
