@@ -36,9 +36,8 @@ def reference_attention(q, k, v, scale):
 def test_mixed_batch_matches_reference(mode, dtype, atol, num_heads, num_kv_heads, head_dim, block_size, monkeypatch):
     use_kernel = mode != "torch"
     if mode == "cpp-kernel+sdpa":
-        # Chunks of over 4 tokens with a context over 20, (21, 5) and (3, 30), go to SDPA; the rest to the kernel.
-        monkeypatch.setattr(torch_cpu, "_KERNEL_MAX_PREFILL_CONTEXT", 20)
-        monkeypatch.setattr(torch_cpu, "_KERNEL_MAX_QUERY_TOKENS", 4)
+        # (0, 13) and (3, 30) exceed 150 query x context pairs and go to SDPA; (21, 5) and the decodes stay.
+        monkeypatch.setattr(torch_cpu, "_KERNEL_MAX_WORK", 150)
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     # (cached context, new query tokens): decodes first, then prefill chunks with and without context.
