@@ -82,7 +82,9 @@ def llama_server(out: Path, slots: int) -> Server:
     binary = os.environ.get("LLAMA_SERVER") or _find_llama_server()
     gguf = resolve_model_path("smollm2-135m-instruct")
     # -c is shared by the slots: 1024 tokens each covers the prompts + outputs used here.
+    # --threads-http: by default it serves few connections at once, and dropped some of 32 concurrent streams.
     cmd = [binary, "-m", gguf, "--port", str(PORT), "-np", str(slots), "-c", str(1024 * slots), "-t", "2"]
+    cmd += ["--threads-http", str(slots + 4)]
     return Server(cmd, out / f"server-llama-np{slots}.log")
 
 

@@ -32,10 +32,11 @@ class _PrefillSpan:
     mask: torch.Tensor | None  # [query_len, seq_len] bool (True = may attend); None when plainly causal
 
 
-# A chunk goes to the kernel if query tokens x context tokens is at most this, to SDPA if more. The kernel costs
-# ~35-48 ns per (query, key) pair and layer whatever the shape; SDPA's cost per pair falls as the chunk grows
-# (58 ns at 300 x 300, 46 at 512 x 512, 22 at 2048 x 2048): they cross near 512 x 512.
-_KERNEL_MAX_WORK = 512 * 512
+# A chunk goes to the kernel if query tokens x context tokens is at most this, to SDPA if more. Alone, the kernel
+# costs ~35-48 ns per (query, key) pair and layer whatever the shape, while SDPA's cost per pair falls as the chunk
+# grows (58 ns at 300 x 300, 46 at 512 x 512, 22 at 2048 x 2048). In a step, SDPA also pays for the gather of a
+# cached context, the output scatter and a call per request, so the switch is set above the isolated crossover.
+_KERNEL_MAX_WORK = 1024 * 1024
 
 
 def _prefill_span(inputs: AttentionInputs, i: int) -> _PrefillSpan:
