@@ -1,9 +1,10 @@
 """Paged attention for the CPU.
 
-With the C++ kernels (kernels/csrc/paged_attention.cpp), every query token of the step, decode or prefill, is one
-row of a single kernel call that reads K/V through its request's block table up to the token's own position (so
-causality needs no mask): one call per layer, no gathered context, no per-request loop. On this CPU that is
-1.5-1.7x faster than SDPA for prompt chunks of up to ~300 tokens and on par at 512.
+With the C++ kernels (kernels/csrc/paged_attention.cpp), every decode token and every token of a small prefill
+chunk is one row of a single kernel call that reads K/V through its request's block table up to the token's own
+position (so causality needs no mask): one call per layer, no gathered context, no per-request loop. On this CPU
+that is 1.5-1.7x faster than SDPA for prompt chunks of up to ~300 tokens and on par at 512. Big chunks (more
+than 1024 x 1024 query-key pairs) go to SDPA, as below.
 
 Without a compiler, a pure-torch path: decodes gather each sequence's blocks into a padded context and use two
 batched matmuls; prefill chunks run one request at a time through SDPA with a causal mask offset by the

@@ -164,7 +164,9 @@ async def run_load(
     rng = random.Random(seed)
     limit = asyncio.Semaphore(max_concurrency or len(requests))
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    connector = aiohttp.TCPConnector(limit=0)
+    # A fresh connection per request: llama.cpp's server closes kept-alive connections after a few requests, and
+    # a request sent on one it is closing fails with "Server disconnected".
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         before = await _scrape_prefix_counters(session, base_url)
 
