@@ -110,6 +110,16 @@ def warm_up() -> None:
     asyncio.run(run_load(f"http://127.0.0.1:{PORT}", None, build_dataset(spec, VOCAB), float("inf"), None, 0))
 
 
+def compare_kvserve(out: Path, part: str, configs, requests, rate: float) -> tuple[dict, dict]:
+    """Run `requests` against a kvserve server per (name, flags) config: summaries and results by name."""
+    summaries, results = {}, {}
+    for name, flags in configs:
+        with kvserve_server(out, name.replace(" ", "-"), *flags):
+            warm_up()
+            summaries[name], results[name] = load(requests, rate, None, f"{part}, {name}")
+    return summaries, results
+
+
 def shared_prefix(out: Path, img: Path) -> dict:
     spec = DatasetSpec(
         "shared-prefix",
@@ -119,13 +129,8 @@ def shared_prefix(out: Path, img: Path) -> dict:
         output_len=(16, 48),
         options={"prefix_len": 512, "num_prefixes": 4},
     )
-    requests = build_dataset(spec, VOCAB)
-    rate = 4.0
-    runs, summaries = {}, {}
-    for name, flags in (("caching on", []), ("caching off", ["--no-enable-prefix-caching"])):
-        with kvserve_server(out, name.replace(" ", "-"), *flags):
-            warm_up()
-            summaries[name], runs[name] = load(requests, rate, None, f"shared-prefix, {name}")
+    configs = (("caching on", []), ("caching off", ["--no-enable-prefix-caching"]))
+    summaries, runs = compare_kvserve(out, "shared-prefix", configs, build_dataset(spec, VOCAB), 4.0)
     on, off = summaries["caching on"], summaries["caching off"]
     ratio = off.latency_ms["ttft"]["mean"] / on.latency_ms["ttft"]["mean"]
     print(f"shared-prefix: mean TTFT off / on = {ratio:.1f}x; hit rate {on.prefix_cache_hit_rate:.1%}")
@@ -142,18 +147,13 @@ def long_prompt(out: Path, img: Path, budget: int) -> dict:
         output_len=(128, 256),
         options={"num_long": 4, "long_len": (4096, 6144)},
     )
-    requests = build_dataset(spec, VOCAB)
-    runs, summaries = {}, {}
     configs = (
-        ("chunked", ["--max-num-batched-tokens", str(budget)]),
-        ("not chunked", ["--no-enable-chunked-prefill"]),
+        ("chunked", ["--max-model-len", "8192", "--max-num-batched-tokens", str(budget)]),
+        ("not chunked", ["--max-model-len", "8192", "--no-enable-chunked-prefill"]),
     )
-    for name, flags in configs:
-        with kvserve_server(out, name.replace(" ", "-"), "--max-model-len", "8192", *flags):
-            warm_up()
-            # 64 short requests all in flight, the 4 long ones arrive among them.
-            summaries[name], results = load(requests, 8.0, None, f"long-prompt, {name}")
-            runs[name] = [r for r in results if r.tag == "short"]
+    # 64 short requests arriving at 8/s, still decoding when the 4 long ones arrive among them.
+    summaries, results = compare_kvserve(out, "long-prompt", configs, build_dataset(spec, VOCAB), 8.0)
+    runs = {name: [r for r in rs if r.tag == "short"] for name, rs in results.items()}
     p99 = {k: v.by_tag["short"]["itl"]["p99"] for k, v in summaries.items()}
     ratio = p99["not chunked"] / p99["chunked"]
     print(f"long-prompt: p99 ITL of short requests, not chunked / chunked = {ratio:.1f}x")

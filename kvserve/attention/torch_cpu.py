@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
 from kvserve.kernels.cpu import load_cpu_kernels
+from kvserve.utils import cdiv
 
 
 @dataclass
@@ -43,7 +44,7 @@ _KERNEL_MAX_WORK = 1024 * 1024
 def _prefill_span(inputs: AttentionInputs, i: int) -> _PrefillSpan:
     qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
     start, q_len, seq_len = int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i])
-    num_blocks = -(-seq_len // inputs.block_size)
+    num_blocks = cdiv(seq_len, inputs.block_size)
     block_ids = torch.from_numpy(inputs.block_table[i, :num_blocks]).long()
     mask = None
     if q_len != seq_len:
@@ -85,7 +86,7 @@ class TorchAttentionBackend(AttentionBackend):
         decode_block_table = decode_seq_lens = None
         if num_decodes:
             decode_seq_lens = torch.from_numpy(seq_lens[:num_decodes])
-            num_blocks = -(-int(decode_seq_lens.max()) // bs)
+            num_blocks = cdiv(int(decode_seq_lens.max()), bs)
             decode_block_table = torch.from_numpy(inputs.block_table[:num_decodes, :num_blocks]).contiguous()
         prefills = [_prefill_span(inputs, i) for i in range(num_decodes, len(seq_lens))]
         return TorchAttentionMetadata(
@@ -118,7 +119,7 @@ class TorchAttentionBackend(AttentionBackend):
         if len(req):
             # A request's query tokens are its last q_len positions: token t sees seq_len - (end - 1 - t) keys.
             token_seq_lens = seq_lens[req] - (qsl[req + 1] - 1 - tokens)
-            num_blocks = -(-int(seq_lens[req].max()) // inputs.block_size)
+            num_blocks = cdiv(int(seq_lens[req].max()), inputs.block_size)
             table = torch.from_numpy(np.ascontiguousarray(inputs.block_table[req, :num_blocks]))
             seq_lens_t = torch.from_numpy(token_seq_lens.astype(np.int64))
         return TorchAttentionMetadata(

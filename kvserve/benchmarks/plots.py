@@ -17,6 +17,14 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: str, title: str) -> None:
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_latency_distributions(runs: dict[str, list[RequestResult]], path: str, title: str = "") -> None:
     """Empirical CDFs of TTFT, TPOT and ITL, one line per run."""
     plt = _pyplot()
@@ -39,11 +47,7 @@ def plot_latency_distributions(runs: dict[str, list[RequestResult]], path: str, 
             ax.grid(True, which="both", alpha=0.3)
     for ax in axes:
         ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def plot_sweep(summaries: list[Summary], path: str, title: str = "") -> None:
@@ -62,8 +66,4 @@ def plot_sweep(summaries: list[Summary], path: str, title: str = "") -> None:
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title)
