@@ -17,7 +17,10 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "sampling.cpp", "elementwise.cpp")]
+_SOURCES = [
+    _CSRC / name
+    for name in ("bindings.cpp", "paged_attention.cpp", "paged_attention_packed.cpp", "sampling.cpp", "elementwise.cpp")
+]
 
 
 @functools.cache

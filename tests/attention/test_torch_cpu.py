@@ -10,7 +10,7 @@ import torch
 
 from kvserve.attention import torch_cpu
 from kvserve.attention.base import AttentionInputs
-from kvserve.attention.torch_cpu import TorchAttentionBackend
+from kvserve.attention.torch_cpu import TorchAttentionBackend, pack_kv_blocks, unpack_kv_blocks
 
 
 def reference_attention(q, k, v, scale):
@@ -80,6 +80,9 @@ def test_mixed_batch_matches_reference(mode, dtype, atol, num_heads, num_kv_head
     v_new = torch.cat([full_v[i][c:] for i, (c, _) in enumerate(seqs)])
     backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, use_kernel=use_kernel)
     assert (backend.kernels is not None) == use_kernel, "the C++ kernel failed to build"
+    packed = backend.uses_packed_layout(block_size)
+    if packed:  # the cached context was written in the standard order above
+        key_cache, value_cache = pack_kv_blocks(key_cache, value_cache)
     scale = head_dim**-0.5
     out = backend.forward(q, k_new, v_new, (key_cache, value_cache), backend.build_metadata(inputs), scale)
     assert out.shape == (int(qsl[-1]), num_heads * head_dim)
@@ -90,19 +93,51 @@ def test_mixed_batch_matches_reference(mode, dtype, atol, num_heads, num_kv_head
         got = out[s:e].view(e - s, num_heads, head_dim).float()
         torch.testing.assert_close(got, ref, atol=atol, rtol=atol)
     # The new tokens' K/V were written where the slot mapping says.
-    flat_k = key_cache.view(-1, num_kv_heads, head_dim)
+    if packed:
+        key_cache, value_cache = unpack_kv_blocks(key_cache, value_cache)
+    flat_k = key_cache.reshape(-1, num_kv_heads, head_dim)
+    flat_v = value_cache.reshape(-1, num_kv_heads, head_dim)
     torch.testing.assert_close(flat_k[torch.tensor(slots)], k_new)
+    torch.testing.assert_close(flat_v[torch.tensor(slots)], v_new)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
+def test_packed_layout_round_trip_and_writes(num_heads, num_kv_heads, head_dim, block_size):
+    """pack/unpack are inverses, and the kernel's packed writes land where pack_kv_blocks puts standard ones."""
+    torch.manual_seed(0)
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, torch.bfloat16)
+    if not backend.uses_packed_layout(block_size):
+        pytest.skip("no AVX512-BF16 on this CPU: the packed layout is not used")
+    shape = (6, block_size, num_kv_heads, head_dim)
+    kc, vc = torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()
+    pk, pv = pack_kv_blocks(kc, vc)
+    assert not torch.equal(pk, kc) and not torch.equal(pv, vc)
+    uk, uv = unpack_kv_blocks(pk, pv)
+    assert torch.equal(uk, kc) and torch.equal(uv, vc)
+    slots = torch.randperm(6 * block_size)[:20]
+    k = torch.randn(20, num_kv_heads * head_dim).bfloat16()
+    v = torch.randn(20, num_kv_heads * head_dim).bfloat16()
+    k[3, 5], v[4, 7] = float("nan"), float("inf")
+    backend.kernels.write_kv(k, v, kc, vc, slots)
+    backend.kernels.write_kv(k, v, pk, pv, slots, True)
+    want_k, want_v = pack_kv_blocks(kc, vc)
+    assert torch.equal(pk, want_k) and torch.equal(pv, want_v)
+    assert torch.isfinite(pk).all() and torch.isfinite(pv).all()
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp-kernel", "torch"])
-def test_stale_cache_contents_do_not_leak_into_other_requests(use_kernel):
+# bf16 with head_dim 64 and 16-token blocks runs the packed kernel, whose 16-token tiles read past a context's end.
+@pytest.mark.parametrize("dtype,hd,bs", [(torch.float32, 16, 4), (torch.bfloat16, 64, 16)])
+def test_stale_cache_contents_do_not_leak_into_other_requests(use_kernel, dtype, hd, bs):
     """Blocks are reused without clearing. A previous owner's K/V past a sequence's end, even huge values or a
     NaN it produced, must not change the next owner's output."""
     torch.manual_seed(0)
-    hkv, hd, bs = 1, 16, 4
-    backend = TorchAttentionBackend(2, hkv, hd, torch.float32, use_kernel=use_kernel)
-    key_cache = torch.zeros(3, bs, hkv, hd)
-    value_cache = torch.zeros(3, bs, hkv, hd)
+    hkv = 1
+    backend = TorchAttentionBackend(2, hkv, hd, dtype, use_kernel=use_kernel)
+    key_cache = torch.zeros(3, bs, hkv, hd, dtype=dtype)
+    value_cache = torch.zeros(3, bs, hkv, hd, dtype=dtype)
+    packed = backend.uses_packed_layout(bs)
 
     def decode_inputs(seq_lens, table, slots):
         return AttentionInputs(
@@ -116,9 +151,9 @@ def test_stale_cache_contents_do_not_leak_into_other_requests(use_kernel):
 
     # A broken request writes NaN and huge values into every slot of blocks 1 and 2.
     slots = np.arange(bs, 3 * bs)
-    junk_k = torch.full((len(slots), hkv, hd), float("nan"))
+    junk_k = torch.full((len(slots), hkv, hd), float("nan"), dtype=dtype)
     junk_k[::2] = 1e30
-    junk_v = torch.full((len(slots), hkv, hd), float("inf"))
+    junk_v = torch.full((len(slots), hkv, hd), float("inf"), dtype=dtype)
     meta = backend.build_metadata(
         AttentionInputs(
             0,
@@ -129,27 +164,33 @@ def test_stale_cache_contents_do_not_leak_into_other_requests(use_kernel):
             bs,
         )
     )
-    backend.forward(torch.randn(len(slots), 2, hd), junk_k, junk_v, (key_cache, value_cache), meta, 1.0)
+    backend.forward(torch.randn(len(slots), 2, hd, dtype=dtype), junk_k, junk_v, (key_cache, value_cache), meta, 1.0)
     assert torch.isfinite(key_cache).all() and torch.isfinite(value_cache).all()
 
     # Two later requests reuse the blocks: one of length 2 in block 1, one of length 6 over blocks 0 and 2
     # (padded in the batch to 2 blocks, so the first one's padding also reads the junk of block 2... via 0).
-    ctx = {1: torch.randn(2, hkv, hd), 0: torch.randn(6, hkv, hd)}
-    vals = {1: torch.randn(2, hkv, hd), 0: torch.randn(6, hkv, hd)}
+    ctx = {1: torch.randn(2, hkv, hd, dtype=dtype), 0: torch.randn(6, hkv, hd, dtype=dtype)}
+    vals = {1: torch.randn(2, hkv, hd, dtype=dtype), 0: torch.randn(6, hkv, hd, dtype=dtype)}
+    if packed:  # edit in the standard order
+        key_cache, value_cache = unpack_kv_blocks(key_cache, value_cache)
     key_cache[1, 0] = ctx[1][0]
     value_cache[1, 0] = vals[1][0]
     for pos in range(5):
-        blk = [0, 2][pos // bs]
+        blk = [0, 2][pos // bs] if bs < 6 else 0 if pos < bs else 2
         key_cache[blk, pos % bs] = ctx[0][pos]
         value_cache[blk, pos % bs] = vals[0][pos]
-    q = torch.randn(2, 2, hd)
+    if packed:
+        key_cache, value_cache = pack_kv_blocks(key_cache, value_cache)
+    q = torch.randn(2, 2, hd, dtype=dtype)
     k_new = torch.stack([ctx[1][1], ctx[0][5]])
     v_new = torch.stack([vals[1][1], vals[0][5]])
-    meta = backend.build_metadata(decode_inputs([2, 6], [[1, 0], [0, 2]], [1 * bs + 1, 2 * bs + 1]))
+    last = [1 * bs + 1, (2 if bs < 6 else 0) * bs + (5 % bs)]
+    meta = backend.build_metadata(decode_inputs([2, 6], [[1, 0], [0, 2]], last))
     out = backend.forward(q, k_new, v_new, (key_cache, value_cache), meta, hd**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, seq in enumerate([1, 0]):
         ref = reference_attention(q[i : i + 1], ctx[seq], vals[seq], hd**-0.5)
-        torch.testing.assert_close(out[i].view(1, 2, hd), ref)
+        torch.testing.assert_close(out[i].view(1, 2, hd).float(), ref, atol=tol, rtol=tol)
 
 
 def test_kernel_long_context_and_many_sequences_match_torch():
@@ -178,3 +219,7 @@ def test_kernel_long_context_and_many_sequences_match_torch():
     reference = TorchAttentionBackend(num_heads, num_kv, hd, torch.bfloat16, use_kernel=False)
     want = reference._decode(q, kc, vc, reference.build_metadata(inputs), hd**-0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    if kernel.uses_packed_layout(bs):
+        pk, pv = pack_kv_blocks(kc, vc)
+        got = kernel.kernels.paged_attention_packed(q, pk, pv, md.token_block_table, md.token_seq_lens, hd**-0.5)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -8,13 +8,20 @@ at::Tensor sample_gumbel(at::Tensor logits, at::Tensor keys);
 void rms_norm_(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
 void rotary_(at::Tensor qk, at::Tensor positions, at::Tensor cos, at::Tensor sin, int64_t num_heads, int64_t head_dim);
 at::Tensor silu_and_mul(at::Tensor x);
-void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+              bool packed);
+bool packed_kv_supported(int64_t head_dim, int64_t group, int64_t block_size);
+at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
+                                  at::Tensor seq_lens, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode, "paged attention for single-token queries (CPU)");
   m.def("rms_norm_", &rms_norm_, "in-place (residual add +) RMSNorm");
   m.def("rotary_", &rotary_, "in-place rotate-half RoPE on the first heads of each row");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("write_kv", &write_kv, "write K/V rows into their cache slots (non-finite values sanitised)");
+  m.def("write_kv", &write_kv, "write K/V rows into their cache slots (non-finite values sanitised)", py::arg("k"),
+        py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::arg("packed") = false);
+  m.def("packed_kv_supported", &packed_kv_supported, "whether the packed bf16 decode kernel runs these shapes here");
+  m.def("paged_attention_packed", &paged_attention_packed, "paged attention over the pair-packed bf16 cache (CPU)");
   m.def("sample_gumbel", &sample_gumbel, "one categorical draw per row of logits (Gumbel-max, hashed noise)");
 }

@@ -11,7 +11,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
+#include "kv_layout.h"
 #include "simd.h"
 
 namespace {
@@ -150,22 +152,47 @@ inline bool all_finite(const at::BFloat16* x, int64_t n) {
 }
 
 template <typename T>
+inline void sanitise(T* x, int64_t n) {
+  if (all_finite(x, n)) return;
+  for (int64_t i = 0; i < n; ++i) x[i] = finite(x[i]);
+}
+
+template <typename T>
 void write_kv_rows(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T* k_cache, T* v_cache,
                    const int64_t* slots, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       T* kd = k_cache + slots[row] * width;
       T* vd = v_cache + slots[row] * width;
-      const T* ks = k + row * k_stride;
-      const T* vs = v + row * v_stride;
-      std::memcpy(kd, ks, width * sizeof(T));
-      std::memcpy(vd, vs, width * sizeof(T));
-      if (!all_finite(kd, width) || !all_finite(vd, width)) {
-        for (int64_t i = 0; i < width; ++i) {
-          kd[i] = finite(kd[i]);
-          vd[i] = finite(vd[i]);
+      std::memcpy(kd, k + row * k_stride, width * sizeof(T));
+      std::memcpy(vd, v + row * v_stride, width * sizeof(T));
+      sanitise(kd, width);
+      sanitise(vd, width);
+    }
+  });
+}
+
+// The same into the pair-packed layout (kv_layout.h): each row is sanitised in a scratch copy, then scattered.
+template <typename T>
+void write_kv_rows_packed(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T* k_cache, T* v_cache,
+                          const int64_t* slots, int64_t rows, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size) {
+  const int64_t width = num_kv_heads * head_dim;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<T> ks(width), vs(width);
+    for (int64_t row = begin; row < end; ++row) {
+      std::memcpy(ks.data(), k + row * k_stride, width * sizeof(T));
+      std::memcpy(vs.data(), v + row * v_stride, width * sizeof(T));
+      sanitise(ks.data(), width);
+      sanitise(vs.data(), width);
+      const int64_t block = slots[row] / block_size, t = slots[row] % block_size;
+      T* kb = k_cache + block * block_size * width;
+      T* vb = v_cache + block * block_size * width;
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        for (int64_t d = 0; d < head_dim; ++d) {
+          kb[packed_k_offset(t, h, d, block_size, head_dim)] = ks[h * head_dim + d];
+          vb[packed_v_offset(t, h, d, block_size, head_dim)] = vs[h * head_dim + d];
         }
-      }
     }
   });
 }
@@ -222,17 +249,26 @@ at::Tensor silu_and_mul(at::Tensor x) {
 }
 
 // k, v [T, Hkv * D] row views (unit column stride); caches [num_blocks, block_size, Hkv, D]; slot_mapping [T].
-// Writes each token's K and V into its slot; NaN becomes 0 and +-inf the largest finite value, so the cache never
-// holds a non-finite number.
-void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping) {
+// Writes each token's K and V into its slot, in the standard layout or, with `packed`, the pair-packed one
+// (kv_layout.h); NaN becomes 0 and +-inf the largest finite value, so the cache never holds a non-finite number.
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+              bool packed) {
   TORCH_CHECK(k.dim() == 2 && v.dim() == 2 && k.stride(1) == 1 && v.stride(1) == 1, "write_kv: 2-D row views");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong, "write_kv");
-  const int64_t width = k_cache.size(2) * k_cache.size(3);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const int64_t width = num_kv_heads * head_dim;
   TORCH_CHECK(k.size(1) == width && v.size(1) == width, "write_kv: width");
+  TORCH_CHECK(!packed || (head_dim % 2 == 0 && block_size % 2 == 0), "write_kv: packed needs even sizes");
   auto slots = slot_mapping.contiguous();
   dispatch(k, [&](auto tag) {
     using T = decltype(tag);
-    write_kv_rows<T>(k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0), k_cache.data_ptr<T>(),
-                     v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(), k.size(0), width);
+    if (packed) {
+      write_kv_rows_packed<T>(k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0), k_cache.data_ptr<T>(),
+                              v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(), k.size(0), num_kv_heads, head_dim,
+                              block_size);
+    } else {
+      write_kv_rows<T>(k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0), k_cache.data_ptr<T>(),
+                       v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(), k.size(0), width);
+    }
   });
 }

@@ -1,0 +1,192 @@
+// Paged decode attention over the pair-packed bf16 cache (kv_layout.h), for CPUs with AVX512-BF16.
+//
+// Same task split, online softmax and block-table reads as paged_attention.cpp, but about half the instructions
+// per cached token: q.k and p.v are both `vdpbf16ps` against broadcast pairs, with no horizontal sums and no
+// bf16 -> fp32 widening of K/V. With the standard layout the kernel was compute-bound (~26 GB/s from L3, 16 from
+// memory, with ~50 GB/s of read bandwidth here); this one is meant to keep up with memory.
+// Probabilities are rounded to bf16 for p.v, as flash-attention kernels do; scores, softmax and sums are fp32.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "kv_layout.h"
+#include "simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using namespace kvserve;
+
+#if defined(__AVX512BF16__)
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+}
+
+inline __m512bh pair_bcast(const uint32_t* p) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(*p)); }
+
+// See paged_attention.cpp: spreads early and late tasks over every thread's contiguous range.
+inline int64_t interleaved(int64_t i, int64_t n) { return (i % 2 == 0) ? i / 2 : n - 1 - i / 2; }
+
+template <int HD, int G>
+void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* block_table,
+                   const int64_t* seq_lens, at::BFloat16* out, int64_t num_seqs, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t block_size, int64_t table_stride, float scale,
+                   int64_t heads_per_task) {
+  constexpr int NV = HD / 16;  // zmm per fp32 head row
+  constexpr int NP = HD / 2;   // dim pairs per head
+  const int64_t tile = HD * block_size;  // one kv head's K (or V) within a block
+  const int64_t block_elems = num_kv_heads * tile;
+  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
+  const int nq = static_cast<int>(heads_per_task) * G;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(nq * HD), m(nq), lsum(nq * 16);
+    alignas(64) uint16_t p[G][16];  // one sub-tile's probabilities per query head, bf16
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t task = interleaved(i, num_seqs * tasks_per_seq);
+      const int64_t s = task / tasks_per_seq;
+      const int64_t h0 = (task % tasks_per_seq) * heads_per_task;
+      const int64_t len = seq_lens[s];
+      const int64_t q0 = s * num_heads + h0 * G;  // first query head of the task
+      const uint32_t* qp = reinterpret_cast<const uint32_t*>(q + q0 * HD);  // its rows as bf16 pairs
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(lsum.begin(), lsum.end(), 0.f);
+      const int32_t* table = block_table + s * table_stride;
+      for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t block = table[start / block_size];
+        const int n = static_cast<int>(std::min(block_size, len - start));
+        const bool has_next = start + block_size < len;
+        const int64_t next = has_next ? table[start / block_size + 1] : 0;
+        for (int64_t hh = 0; hh < heads_per_task; ++hh) {
+          const int64_t head_off = (h0 + hh) * tile;
+          const uint16_t* kt = k_cache + block * block_elems + head_off;
+          const uint16_t* vt = v_cache + block * block_elems + head_off;
+          // Blocks sit anywhere in the pool: fetch the next block's tiles of this head while this one computes.
+          if (has_next) {
+            prefetch_bytes(k_cache + next * block_elems + head_off, tile * 2);
+            prefetch_bytes(v_cache + next * block_elems + head_off, tile * 2);
+          }
+          const uint32_t* qh = qp + hh * G * NP;
+          float* a_mem = &acc[hh * G * HD];
+          for (int t0 = 0; t0 < n; t0 += 16) {
+            const int cnt = std::min(16, n - t0);
+            // q.k for 16 tokens: lane t of s[g] is the score of token t0 + t. Two chains per head hide latency.
+            __m512 s0[G], s1[G];
+            for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm512_setzero_ps();
+            for (int dp = 0; dp < NP; dp += 2) {
+              const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + (dp * block_size + t0) * 2);
+              const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + ((dp + 1) * block_size + t0) * 2);
+              for (int g = 0; g < G; ++g) {
+                s0[g] = _mm512_dpbf16_ps(s0[g], k0, pair_bcast(qh + g * NP + dp));
+                s1[g] = _mm512_dpbf16_ps(s1[g], k1, pair_bcast(qh + g * NP + dp + 1));
+              }
+            }
+            const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1);
+            for (int g = 0; g < G; ++g) {
+              const int j = static_cast<int>(hh) * G + g;
+              // Lanes past the context get -inf, hence probability 0 (their cache slots hold stale finite values).
+              const __m512 sc = _mm512_mask_mul_ps(neg_inf, valid, _mm512_add_ps(s0[g], s1[g]), vscale);
+              const float tile_max = _mm512_reduce_max_ps(sc);
+              __m512 l = _mm512_loadu_ps(&lsum[j * 16]);
+              if (tile_max > m[j]) {
+                const float r = std::exp(m[j] - tile_max);  // 0 on the first tile (m = -inf)
+                scale_row(a_mem + g * HD, r, HD);
+                l = _mm512_mul_ps(l, _mm512_set1_ps(r));
+                m[j] = tile_max;
+              }
+              const __m512 e = exp_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m[j])));
+              _mm512_storeu_ps(&lsum[j * 16], _mm512_add_ps(l, e));
+              _mm256_store_si256(reinterpret_cast<__m256i*>(p[g]), (__m256i)_mm512_cvtneps_pbh(e));
+            }
+            // p.v, two tokens per instruction; the accumulators stay in registers across the sub-tile.
+            __m512 a[G][NV];
+            for (int g = 0; g < G; ++g)
+              for (int c = 0; c < NV; ++c) a[g][c] = _mm512_loadu_ps(a_mem + g * HD + 16 * c);
+            for (int tp = 0; tp < cnt; tp += 2) {
+              const uint16_t* vrow = vt + (t0 + tp) * HD;  // the (t0 + tp, t0 + tp + 1) pair rows
+              for (int c = 0; c < NV; ++c) {
+                const __m512bh vz = (__m512bh)_mm512_loadu_si512(vrow + 32 * c);
+                for (int g = 0; g < G; ++g)
+                  a[g][c] = _mm512_dpbf16_ps(a[g][c], vz, pair_bcast(reinterpret_cast<const uint32_t*>(p[g]) + tp / 2));
+              }
+            }
+            for (int g = 0; g < G; ++g)
+              for (int c = 0; c < NV; ++c) _mm512_storeu_ps(a_mem + g * HD + 16 * c, a[g][c]);
+          }
+        }
+      }
+      for (int j = 0; j < nq; ++j) {
+        const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(&lsum[j * 16]));
+        scale_row(&acc[j * HD], 1.f / l, HD);
+        store_row(&acc[j * HD], out + (q0 + j) * HD, HD);
+      }
+    }
+  });
+}
+
+// The (head_dim, group) pairs with an instantiation, as a single switch for both the check and the call.
+template <typename F>
+bool with_shape(int64_t head_dim, int64_t group, F&& f) {
+#define KVSERVE_PACKED(HD_, G_)                      \
+  if (head_dim == HD_ && group == G_) {              \
+    f(std::integral_constant<int, HD_>{}, std::integral_constant<int, G_>{}); \
+    return true;                                     \
+  }
+  KVSERVE_PACKED(64, 1) KVSERVE_PACKED(64, 2) KVSERVE_PACKED(64, 3) KVSERVE_PACKED(64, 4) KVSERVE_PACKED(64, 6)
+  KVSERVE_PACKED(64, 8) KVSERVE_PACKED(128, 1) KVSERVE_PACKED(128, 2) KVSERVE_PACKED(128, 3) KVSERVE_PACKED(128, 4)
+  KVSERVE_PACKED(128, 6) KVSERVE_PACKED(128, 8)
+#undef KVSERVE_PACKED
+  return false;
+}
+#endif
+
+}  // namespace
+
+// Whether this build runs the packed kernel for these shapes (bf16 caches only; blocks of whole 16-token tiles).
+bool packed_kv_supported(int64_t head_dim, int64_t group, int64_t block_size) {
+#if defined(__AVX512BF16__)
+  return block_size % 16 == 0 && with_shape(head_dim, group, [](auto, auto) {});
+#else
+  (void)head_dim, (void)group, (void)block_size;
+  return false;
+#endif
+}
+
+// q [S, H, D] bf16; k_cache, v_cache [num_blocks, block_size, Hkv, D] bf16 holding the packed layout;
+// block_table [S, max_blocks] int32; seq_lens [S] int64 (each >= 1). Returns [S, H, D] bf16.
+at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
+                                  at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16, "packed cache: bf16 only");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous(), "block_table: int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(), "seq_lens: int64");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head layout mismatch");
+  TORCH_CHECK(packed_kv_supported(head_dim, num_heads / num_kv_heads, block_size),
+              "no packed decode kernel for this shape on this CPU");
+  auto out = at::empty_like(q);
+#if defined(__AVX512BF16__)
+  // As in paged_attention.cpp: whole blocks per task when there are enough sequences for every thread.
+  const int64_t heads_per_task = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  with_shape(head_dim, num_heads / num_kv_heads, [&](auto hd, auto g) {
+    packed_decode<decltype(hd)::value, decltype(g)::value>(
+        reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+        reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+        reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), block_table.data_ptr<int32_t>(),
+        seq_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), num_seqs, num_heads, num_kv_heads, block_size,
+        block_table.size(1), static_cast<float>(scale), heads_per_task);
+  });
+#endif
+  return out;
+}
