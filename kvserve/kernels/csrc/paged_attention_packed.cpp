@@ -24,11 +24,6 @@ using namespace kvserve;
 
 #if defined(__AVX512BF16__)
 
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
-}
-
 inline __m512bh pair_bcast(const uint32_t* p) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(*p)); }
 
 // See paged_attention.cpp: spreads early and late tasks over every thread's contiguous range.
@@ -70,11 +65,12 @@ void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
           const int64_t head_off = (h0 + hh) * tile;
           const uint16_t* kt = k_cache + block * block_elems + head_off;
           const uint16_t* vt = v_cache + block * block_elems + head_off;
-          // Blocks sit anywhere in the pool: fetch the next block's tiles of this head while this one computes.
-          if (has_next) {
-            prefetch_bytes(k_cache + next * block_elems + head_off, tile * 2);
-            prefetch_bytes(v_cache + next * block_elems + head_off, tile * 2);
-          }
+          // Blocks sit anywhere in the pool. When the next one is not adjacent (where the hardware prefetcher
+          // would follow), fetch its tiles of this head while this one computes, a line or two per instruction
+          // group rather than in one burst that would fill the load queues.
+          const bool fetch = has_next && next != block + 1;
+          const char* pf_k = reinterpret_cast<const char*>(k_cache + next * block_elems + head_off);
+          const char* pf_v = reinterpret_cast<const char*>(v_cache + next * block_elems + head_off);
           const uint32_t* qh = qp + hh * G * NP;
           float* a_mem = &acc[hh * G * HD];
           for (int t0 = 0; t0 < n; t0 += 16) {
@@ -83,6 +79,11 @@ void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
             __m512 s0[G], s1[G];
             for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm512_setzero_ps();
             for (int dp = 0; dp < NP; dp += 2) {
+              if (fetch) {  // the K tile has two lines per iteration of this loop over the whole block
+                const char* line = pf_k + ((t0 / 16) * (NP / 2) + dp / 2) * 128;
+                __builtin_prefetch(line, 0, 1);
+                __builtin_prefetch(line + 64, 0, 1);
+              }
               const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + (dp * block_size + t0) * 2);
               const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + ((dp + 1) * block_size + t0) * 2);
               for (int g = 0; g < G; ++g) {
@@ -114,6 +115,7 @@ void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
             for (int tp = 0; tp < cnt; tp += 2) {
               const uint16_t* vrow = vt + (t0 + tp) * HD;  // the (t0 + tp, t0 + tp + 1) pair rows
               for (int c = 0; c < NV; ++c) {
+                if (fetch) __builtin_prefetch(pf_v + (((t0 + tp) / 2) * NV + c) * 64, 0, 1);  // one line each
                 const __m512bh vz = (__m512bh)_mm512_loadu_si512(vrow + 32 * c);
                 for (int g = 0; g < G; ++g)
                   a[g][c] = _mm512_dpbf16_ps(a[g][c], vz, pair_bcast(reinterpret_cast<const uint32_t*>(p[g]) + tp / 2));
