@@ -1,5 +1,5 @@
-"""JIT-built C++ kernels for the CPU (torch.utils.cpp_extension; needs a C++ compiler and ninja): paged decode
-attention and categorical sampling.
+"""JIT-built C++ kernels for the CPU (torch.utils.cpp_extension; needs a C++ compiler and ninja): paged
+attention (standard and pair-packed bf16 KV layouts), categorical sampling and the elementwise ops.
 
 Built once per machine and source version into torch's extension cache (~45 s the first time). If the build
 fails, or KVSERVE_CPU_KERNELS=0, callers fall back to the pure-torch implementations.

@@ -96,9 +96,10 @@ void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
               const int j = static_cast<int>(hh) * G + g;
               // Lanes past the context get -inf, hence probability 0 (their cache slots hold stale finite values).
               const __m512 sc = _mm512_mask_mul_ps(neg_inf, valid, _mm512_add_ps(s0[g], s1[g]), vscale);
-              const float tile_max = _mm512_reduce_max_ps(sc);
               __m512 l = _mm512_loadu_ps(&lsum[j * 16]);
-              if (tile_max > m[j]) {
+              // The running max rarely moves after the first tiles: test every lane before reducing any.
+              if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(m[j]), _CMP_GT_OQ)) {
+                const float tile_max = _mm512_reduce_max_ps(sc);
                 const float r = std::exp(m[j] - tile_max);  // 0 on the first tile (m = -inf)
                 scale_row(a_mem + g * HD, r, HD);
                 l = _mm512_mul_ps(l, _mm512_set1_ps(r));
