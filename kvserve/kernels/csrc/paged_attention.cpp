@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "attention_common.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -32,11 +33,6 @@ inline void prefetch_range(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
 }
-
-// Task order: 0, n-1, 1, n-2, ... at::parallel_for hands each thread a contiguous range of indices; with this
-// order every range mixes early and late tasks, so the threads stay balanced when the work per task grows along
-// the batch (the query tokens of one prompt chunk, each seeing one more key than the last).
-inline int64_t interleaved(int64_t i, int64_t n) { return (i % 2 == 0) ? i / 2 : n - 1 - i / 2; }
 
 // One task = one sequence and a run of `heads_per_task` kv heads. Whole token rows of a block are contiguous
 // ([block_size, Hkv, D]), so a task that takes every kv head streams each block front to back, which the
@@ -229,18 +225,11 @@ template <typename T>
 bool decode_fast(const T* q, const T* kc, const T* vc, const int32_t* table, const int64_t* lens, T* out,
                  int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  int64_t table_stride, float scale, int64_t heads_per_task) {
-  const int64_t group = num_heads / num_kv_heads;
-#define KVSERVE_FAST(HD_, G_)                                                                                   \
-  if (head_dim == HD_ && group == G_) {                                                                        \
-    FastDecode<HD_, G_, T>::run(q, kc, vc, table, lens, out, num_seqs, num_heads, num_kv_heads, block_size,     \
-                                table_stride, scale, heads_per_task);                                          \
-    return true;                                                                                               \
-  }
-  KVSERVE_FAST(64, 1) KVSERVE_FAST(64, 2) KVSERVE_FAST(64, 3) KVSERVE_FAST(64, 4) KVSERVE_FAST(64, 6)
-  KVSERVE_FAST(64, 8) KVSERVE_FAST(128, 1) KVSERVE_FAST(128, 2) KVSERVE_FAST(128, 3) KVSERVE_FAST(128, 4)
-  KVSERVE_FAST(128, 6) KVSERVE_FAST(128, 8)
-#undef KVSERVE_FAST
-  return false;
+  return with_head_shape(head_dim, num_heads / num_kv_heads, [&](auto hd, auto g) {
+    FastDecode<decltype(hd)::value, decltype(g)::value, T>::run(q, kc, vc, table, lens, out, num_seqs, num_heads,
+                                                               num_kv_heads, block_size, table_stride, scale,
+                                                               heads_per_task);
+  });
 }
 #endif
 

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "attention_common.h"
 #include "kv_layout.h"
 #include "simd.h"
 
@@ -25,9 +26,6 @@ using namespace kvserve;
 #if defined(__AVX512BF16__)
 
 inline __m512bh pair_bcast(const uint32_t* p) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(*p)); }
-
-// See paged_attention.cpp: spreads early and late tasks over every thread's contiguous range.
-inline int64_t interleaved(int64_t i, int64_t n) { return (i % 2 == 0) ? i / 2 : n - 1 - i / 2; }
 
 template <int HD, int G>
 void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* block_table,
@@ -137,20 +135,6 @@ void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
   });
 }
 
-// The (head_dim, group) pairs with an instantiation, as a single switch for both the check and the call.
-template <typename F>
-bool with_shape(int64_t head_dim, int64_t group, F&& f) {
-#define KVSERVE_PACKED(HD_, G_)                      \
-  if (head_dim == HD_ && group == G_) {              \
-    f(std::integral_constant<int, HD_>{}, std::integral_constant<int, G_>{}); \
-    return true;                                     \
-  }
-  KVSERVE_PACKED(64, 1) KVSERVE_PACKED(64, 2) KVSERVE_PACKED(64, 3) KVSERVE_PACKED(64, 4) KVSERVE_PACKED(64, 6)
-  KVSERVE_PACKED(64, 8) KVSERVE_PACKED(128, 1) KVSERVE_PACKED(128, 2) KVSERVE_PACKED(128, 3) KVSERVE_PACKED(128, 4)
-  KVSERVE_PACKED(128, 6) KVSERVE_PACKED(128, 8)
-#undef KVSERVE_PACKED
-  return false;
-}
 #endif
 
 }  // namespace
@@ -158,7 +142,7 @@ bool with_shape(int64_t head_dim, int64_t group, F&& f) {
 // Whether this build runs the packed kernel for these shapes (bf16 caches only; blocks of whole 16-token tiles).
 bool packed_kv_supported(int64_t head_dim, int64_t group, int64_t block_size) {
 #if defined(__AVX512BF16__)
-  return block_size % 16 == 0 && with_shape(head_dim, group, [](auto, auto) {});
+  return block_size % 16 == 0 && with_head_shape(head_dim, group, [](auto, auto) {});
 #else
   (void)head_dim, (void)group, (void)block_size;
   return false;
@@ -183,7 +167,7 @@ at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v
 #if defined(__AVX512BF16__)
   // As in paged_attention.cpp: whole blocks per task when there are enough sequences for every thread.
   const int64_t heads_per_task = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
-  with_shape(head_dim, num_heads / num_kv_heads, [&](auto hd, auto g) {
+  with_head_shape(head_dim, num_heads / num_kv_heads, [&](auto hd, auto g) {
     packed_decode<decltype(hd)::value, decltype(g)::value>(
         reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
         reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
