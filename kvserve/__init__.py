@@ -9,6 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvserve.platform import export_torch_isa_caps
+
+# Before anything imports torch: a forced KVSERVE_CPU_ISA caps torch's kernels too (kvserve/platform.py).
+export_torch_isa_caps()
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

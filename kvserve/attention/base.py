@@ -39,6 +39,10 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
 
+    def describe(self, block_size: int) -> str:
+        """The kernels this backend runs, for the start-up summary."""
+        return type(self).__name__
+
     @abstractmethod
     def build_metadata(self, inputs: AttentionInputs) -> Any:
         """Called once per step; the result is handed to every layer."""

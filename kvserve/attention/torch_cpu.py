@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
-from kvserve.kernels.cpu import load_cpu_kernels
+from kvserve.kernels.cpu import kernel_isa, load_cpu_kernels
 from kvserve.utils import cdiv
 
 
@@ -106,6 +106,13 @@ class TorchAttentionBackend(AttentionBackend):
             and self.dtype == torch.bfloat16
             and self.kernels.packed_kv_supported(self.head_dim, self.group, block_size)
         )
+
+    def describe(self, block_size: int) -> str:
+        """Which kernels run attention (and the elementwise ops and sampling, which share the build)."""
+        if self.kernels is None:
+            return "pure torch (no C++ build)"
+        layout = ", pair-packed bf16 KV" if self.uses_packed_layout(block_size) else ""
+        return f"C++ {kernel_isa()}{layout}"
 
     def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
         if self.kernels is not None:

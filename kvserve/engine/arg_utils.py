@@ -10,13 +10,13 @@ from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
 from kvserve.loader.default_model import find_gguf, resolve_model_path
 from kvserve.loader.gguf_weights import gguf_arch_config
+from kvserve.platform import cpu_info, default_dtype
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 _DTYPES = {
-    "auto": "bfloat16",  # the CPU default: avx512_bf16 makes bf16 matmuls ~2x faster than fp32 here
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
     "float32": "float32",
@@ -27,14 +27,26 @@ _FP16 = ("float16", "fp16", "half")
 
 
 def resolve_dtype(dtype: str) -> str:
+    """"auto" is bfloat16 where the CPU computes it natively and float32 elsewhere (kvserve.platform). An explicit
+    bfloat16 is honoured everywhere, with a warning where it is emulated: the weights then stay unpacked (oneDNN
+    refuses to prepack bf16 there) and matmuls are far slower than in float32."""
     name = str(dtype).lower().removeprefix("torch.")
+    if name == "auto":
+        return default_dtype()
     if name in _FP16:
-        # fp16 matmuls run ~400x slower than bf16 on this CPU (no avx512_fp16): same range issues aside,
-        # bf16 is the usable 16-bit type.
-        logger.warning("dtype %s is unusably slow on CPU; using bfloat16 instead", dtype)
-        return "bfloat16"
+        # fp16 matmuls are emulated on CPUs without avx512_fp16/AMX-FP16 (~400x slower than bf16 on an
+        # AVX512-BF16 CPU): use what "auto" would.
+        chosen = default_dtype()
+        logger.warning("dtype %s is unusably slow on this CPU; using %s instead", dtype, chosen)
+        return chosen
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of auto, bfloat16, float32")
+    if _DTYPES[name] == "bfloat16" and not cpu_info().native_bf16:
+        logger.warning(
+            "dtype bfloat16: this CPU has no native bf16 (%s), so bf16 matmuls are emulated and very slow; "
+            "dtype auto picks float32 here",
+            cpu_info().describe(),
+        )
     return _DTYPES[name]
 
 
@@ -153,7 +165,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="HF model folder, .gguf file, or embedded model name (default: smollm2-135m-instruct)",
     )
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or .gguf (default: the model's)")
-    g.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CPU), bfloat16 or float32")
+    g.add_argument(
+        "--dtype", default=d.dtype, help="auto (bfloat16 where the CPU has native bf16, else float32), bfloat16, float32"
+    )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for requests without their own")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")

@@ -1,8 +1,10 @@
 """JIT-built C++ kernels for the CPU (torch.utils.cpp_extension; needs a C++ compiler and ninja): paged
 attention (standard and pair-packed bf16 KV layouts), categorical sampling and the elementwise ops.
 
-Built once per machine and source version into torch's extension cache (~45 s the first time). If the build
-fails, or KVSERVE_CPU_KERNELS=0, callers fall back to the pure-torch implementations.
+Built once per machine, source version and ISA level (kvserve.platform: generic, avx2, avx512, avx512_bf16) into
+torch's extension cache (~45 s the first time). The level is in the library's name and picks its compiler flags,
+so a cache directory shared with (or moved to) a CPU of another level never loads a library built for an ISA that
+CPU lacks. If the build fails, or KVSERVE_CPU_KERNELS=0, callers fall back to the pure-torch implementations.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+from kvserve.platform import cpu_info, kernel_compile_flags
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -23,6 +27,16 @@ _SOURCES = [
 ]
 
 
+def kernel_isa() -> str:
+    """The ISA level the kernels are (or would be) built for."""
+    return cpu_info().isa
+
+
+def library_name(isa: str) -> str:
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))).hexdigest()[:12]
+    return f"kvserve_cpu_kernels_{digest}_{isa}"
+
+
 @functools.cache
 def load_cpu_kernels() -> ModuleType | None:
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
@@ -30,15 +44,15 @@ def load_cpu_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))).hexdigest()[:12]
-        name = f"kvserve_cpu_kernels_{digest}"
+        isa = kernel_isa()
+        name = library_name(isa)
         if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
-            logger.warning("building the C++ CPU kernels (first run on this machine only, ~1 min)")
+            logger.warning("building the C++ CPU kernels for %s (first run on this machine only, ~1 min)", isa)
         return load(
             name=name,
             sources=[str(p) for p in _SOURCES],
-            # Built on the machine that runs it, so -march=native picks up AVX-512 where it exists.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # The level's own ISA flags (never -march=native: see kernel_compile_flags); tuned for this CPU.
+            extra_cflags=["-O3", *kernel_compile_flags(isa), "-mtune=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -7,13 +7,25 @@ batch-128 GEMMs 1.3-1.5x faster. The packing's batch-size hint hardly matters, s
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.platform import cpu_info
+
+logger = logging.getLogger(__name__)
+
 
 def cpu_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+@functools.cache
+def _warn_unpacked(dtype: str, why: str) -> None:
+    logger.warning("keeping %s weights unpacked: %s", dtype, why)
 
 
 class Linear(nn.Module):
@@ -33,7 +45,13 @@ class Linear(nn.Module):
         w = self.weight.detach()
         if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float32) or not cpu_packing_available():
             return
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        if w.dtype == torch.bfloat16 and not cpu_info().native_bf16:
+            return  # oneDNN refuses to prepack bf16 without native bf16 (and F.linear then runs emulated)
+        try:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        except RuntimeError as e:  # a CPU oneDNN has no packed kernel for: the plain weight still works
+            _warn_unpacked(str(w.dtype), str(e))
+            return
         # Drop our reference to the plain weight (a tied embedding keeps its own).
         self.weight = None
 

@@ -20,6 +20,7 @@ from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.loader.model_loader import load_model
 from kvserve.outputs import ModelRunnerOutput
+from kvserve.platform import startup_summary
 from kvserve.profiling import StepTimer
 from kvserve.sample.sampler import Sampler, SamplerOutput
 from kvserve.utils import cdiv
@@ -63,6 +64,9 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(model_config, self.attn_backend)
         logger.info("loaded %s in %.1fs", model_config.model, time.perf_counter() - start)
+        logger.info(
+            startup_summary(model_config.dtype, torch.get_num_threads(), self.attn_backend.describe(self.block_size))
+        )
         self.vocab_size = arch.vocab_size
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(model_config.seed)
