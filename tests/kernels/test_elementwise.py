@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.kernels.cpu import load_cpu_kernels
+from tests.kernels.build import require_kernels
 
-K = load_cpu_kernels()
-pytestmark = pytest.mark.skipif(K is None, reason="C++ kernels did not build")
+K = require_kernels()
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 0.0)]
 

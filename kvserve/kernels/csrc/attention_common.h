@@ -1,16 +1,68 @@
-// Shared by the two paged-attention kernels (paged_attention.cpp, paged_attention_packed.cpp): the task order and
-// the (head_dim, GQA group) shapes that have compiled fast paths.
+// Shared by the two paged-attention kernels (paged_attention.cpp, paged_attention_packed.cpp): input checks, the
+// task split and order, the online-softmax rescale, and the (head_dim, GQA group) shapes with compiled fast paths.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 namespace kvserve {
 
+struct PagedShape {
+  int64_t num_seqs, num_heads, head_dim, block_size, num_kv_heads, table_stride;
+  int64_t group() const { return num_heads / num_kv_heads; }
+};
+
+// q [S, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (any order inside a block); block_table
+// [S, max_blocks] int32; seq_lens [S] int64 (each >= 1).
+inline PagedShape check_paged_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& block_table, const at::Tensor& seq_lens) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous(), "block_table: int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(), "seq_lens: int64");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  PagedShape p{q.size(0), q.size(1), q.size(2), k_cache.size(1), k_cache.size(2), block_table.size(1)};
+  TORCH_CHECK(k_cache.size(3) == p.head_dim && p.num_heads % p.num_kv_heads == 0, "head layout mismatch");
+  return p;
+}
+
 // Task order: 0, n-1, 1, n-2, ... at::parallel_for hands each thread a contiguous range of indices; with this
 // order every range mixes early and late tasks, so the threads stay balanced when the work per task grows along
 // the batch (the query tokens of one prompt chunk, each seeing one more key than the last).
 inline int64_t interleaved(int64_t i, int64_t n) { return (i % 2 == 0) ? i / 2 : n - 1 - i / 2; }
+
+// A task is one sequence and a run of kv heads: all of them when there are enough sequences to keep every thread
+// busy (a task then streams whole blocks front to back), otherwise one, so that a single long sequence still
+// spreads over the threads.
+inline int64_t heads_per_task(const PagedShape& p) {
+  return p.num_seqs >= 2 * at::get_num_threads() ? p.num_kv_heads : 1;
+}
+
+// Runs every task over the threads in interleaved order. make_worker() is called once per thread's range and
+// returns the callable worker(seq, first_kv_head), which owns that range's scratch buffers.
+template <typename MakeWorker>
+void parallel_over_tasks(const PagedShape& p, int64_t heads_per_task, MakeWorker&& make_worker) {
+  const int64_t tasks_per_seq = p.num_kv_heads / heads_per_task, n = p.num_seqs * tasks_per_seq;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    auto worker = make_worker();
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t task = interleaved(i, n);
+      worker(task / tasks_per_seq, (task % tasks_per_seq) * heads_per_task);
+    }
+  });
+}
+
+// Online softmax: moves the running max m to new_max and returns the factor by which sums and accumulators taken
+// under the old max must be scaled (0 on the first update, when m is -inf).
+inline float move_max(float& m, float new_max) {
+  const float r = std::exp(m - new_max);
+  m = new_max;
+  return r;
+}
 
 // Calls f(std::integral_constant<int, HD>, std::integral_constant<int, G>) if (head_dim, group) is one of the
 // instantiated shapes and returns true; returns false otherwise. One list for every fast path.

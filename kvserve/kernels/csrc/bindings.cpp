@@ -2,6 +2,8 @@
 
 #include <torch/extension.h>
 
+#include "vec.h"
+
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale);
 at::Tensor sample_gumbel(at::Tensor logits, at::Tensor keys);
@@ -15,6 +17,7 @@ at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   at::Tensor seq_lens, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("vector_isa", [] { return std::string(kvserve::kVecIsa); }, "the vector helpers this library was built with");
   m.def("paged_attention_decode", &paged_attention_decode, "paged attention for single-token queries (CPU)");
   m.def("rms_norm_", &rms_norm_, "in-place (residual add +) RMSNorm");
   m.def("rotary_", &rotary_, "in-place rotate-half RoPE on the first heads of each row");

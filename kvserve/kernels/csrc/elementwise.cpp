@@ -20,9 +20,6 @@ namespace {
 
 using namespace kvserve;
 
-inline float to_f(float x) { return x; }
-inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
-
 // Round a float to T's precision and back (identity for fp32).
 template <typename T>
 inline float r(float x) {
@@ -38,18 +35,16 @@ void add_rms_norm_rows(T* x, T* residual, const T* weight, int64_t rows, int64_t
       T* src = add ? rr : xr;  // what gets normalised
       double sum_sq = 0.0;
       int64_t i0 = 0;
-#if defined(__AVX512F__)
-      __m512 vsq = _mm512_setzero_ps();
-      for (; i0 + 16 <= dim; i0 += 16) {
-        __m512 sv = load16(xr + i0);
+      vf vsq = vzero();
+      for (; i0 + kW <= dim; i0 += kW) {
+        vf sv = vload(xr + i0);
         if (add) {
-          sv = round16(T{}, _mm512_add_ps(sv, load16(rr + i0)));
-          store16(rr + i0, sv);
+          sv = vround(T{}, vadd(sv, vload(rr + i0)));
+          vstore(rr + i0, sv);
         }
-        vsq = _mm512_fmadd_ps(sv, sv, vsq);
+        vsq = vfma(sv, sv, vsq);
       }
-      sum_sq = _mm512_reduce_add_ps(vsq);
-#endif
+      sum_sq = vsum(vsq);
       for (int64_t i = i0; i < dim; ++i) {
         // residual <- x + residual (in the model dtype), and it is what gets normalised.
         const float s = add ? r<T>(to_f(xr[i]) + to_f(rr[i])) : to_f(xr[i]);
@@ -58,11 +53,9 @@ void add_rms_norm_rows(T* x, T* residual, const T* weight, int64_t rows, int64_t
       }
       const float inv = 1.0f / std::sqrt(static_cast<float>(sum_sq / dim) + eps);
       int64_t j0 = 0;
-#if defined(__AVX512F__)
-      const __m512 vinv = _mm512_set1_ps(inv);
-      for (; j0 + 16 <= dim; j0 += 16)
-        store16(xr + j0, _mm512_mul_ps(load16(weight + j0), round16(T{}, _mm512_mul_ps(load16(src + j0), vinv))));
-#endif
+      const vf vinv = vset(inv);
+      for (; j0 + kW <= dim; j0 += kW)
+        vstore(xr + j0, vmul(vload(weight + j0), vround(T{}, vmul(vload(src + j0), vinv))));
       for (int64_t i = j0; i < dim; ++i) xr[i] = static_cast<T>(to_f(weight[i]) * r<T>(to_f(src[i]) * inv));
     }
   });
@@ -80,16 +73,14 @@ void rotary_rows(T* qk, int64_t row_stride, const int64_t* positions, const T* c
       for (int64_t h = 0; h < num_heads; ++h) {
         T* x = base + h * head_dim;
         int64_t i0 = 0;
-#if defined(__AVX512F__)
-        for (; i0 + 16 <= half; i0 += 16) {
-          const __m512 x1 = load16(x + i0), x2 = load16(x + i0 + half);
-          const __m512 ci = load16(c + i0), si = load16(s + i0);
-          const __m512 o1 = _mm512_sub_ps(round16(T{}, _mm512_mul_ps(x1, ci)), round16(T{}, _mm512_mul_ps(x2, si)));
-          const __m512 o2 = _mm512_add_ps(round16(T{}, _mm512_mul_ps(x2, ci)), round16(T{}, _mm512_mul_ps(x1, si)));
-          store16(x + i0, o1);
-          store16(x + i0 + half, o2);
+        for (; i0 + kW <= half; i0 += kW) {
+          const vf x1 = vload(x + i0), x2 = vload(x + i0 + half);
+          const vf ci = vload(c + i0), si = vload(s + i0);
+          const vf o1 = vsub(vround(T{}, vmul(x1, ci)), vround(T{}, vmul(x2, si)));
+          const vf o2 = vadd(vround(T{}, vmul(x2, ci)), vround(T{}, vmul(x1, si)));
+          vstore(x + i0, o1);
+          vstore(x + i0 + half, o2);
         }
-#endif
         for (int64_t i = i0; i < half; ++i) {
           const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
           const float ci = to_f(c[i]), si = to_f(s[i]);
@@ -109,14 +100,12 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t dim) {
       const T* up = gate + dim;
       T* o = out + row * dim;
       int64_t i0 = 0;
-#if defined(__AVX512F__)
-      const __m512 one = _mm512_set1_ps(1.0f);
-      for (; i0 + 16 <= dim; i0 += 16) {
-        const __m512 g = load16(gate + i0);
-        const __m512 sg = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        store16(o + i0, _mm512_mul_ps(round16(T{}, sg), load16(up + i0)));
+      const vf one = vset(1.0f);
+      for (; i0 + kW <= dim; i0 += kW) {
+        const vf g = vload(gate + i0);
+        const vf sg = vdiv(g, vadd(one, vexp(vsub(vzero(), g))));
+        vstore(o + i0, vmul(vround(T{}, sg), vload(up + i0)));
       }
-#endif
       for (int64_t i = i0; i < dim; ++i) {
         const float g = to_f(gate[i]);
         o[i] = static_cast<T>(r<T>(g / (1.0f + std::exp(-g))) * to_f(up[i]));
@@ -197,17 +186,6 @@ void write_kv_rows_packed(const T* k, const T* v, int64_t k_stride, int64_t v_st
   });
 }
 
-template <typename F>
-void dispatch(const at::Tensor& t, F&& f) {
-  if (t.scalar_type() == at::kFloat) {
-    f(float{});
-  } else if (t.scalar_type() == at::kBFloat16) {
-    f(at::BFloat16{});
-  } else {
-    TORCH_CHECK(false, "unsupported dtype ", t.scalar_type());
-  }
-}
-
 }  // namespace
 
 // x [T, D], residual [T, D] (or undefined), weight [D]: with a residual, residual <- x + residual and
@@ -217,7 +195,7 @@ void rms_norm_(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weig
   const bool add = residual.has_value() && residual->defined();
   if (add) TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "residual");
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
-  dispatch(x, [&](auto tag) {
+  dispatch_float(x, [&](auto tag) {
     using T = decltype(tag);
     add_rms_norm_rows<T>(x.data_ptr<T>(), add ? residual->data_ptr<T>() : nullptr, weight.data_ptr<T>(), rows, dim,
                          static_cast<float>(eps), add);
@@ -230,7 +208,7 @@ void rotary_(at::Tensor qk, at::Tensor positions, at::Tensor cos, at::Tensor sin
   TORCH_CHECK(qk.dim() == 2 && qk.stride(1) == 1 && positions.scalar_type() == at::kLong, "rotary_");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qk.scalar_type(), "rotary_ tables");
   auto pos = positions.contiguous();
-  dispatch(qk, [&](auto tag) {
+  dispatch_float(qk, [&](auto tag) {
     using T = decltype(tag);
     rotary_rows<T>(qk.data_ptr<T>(), qk.stride(0), pos.data_ptr<int64_t>(), cos.data_ptr<T>(), sin.data_ptr<T>(),
                    qk.size(0), num_heads, head_dim);
@@ -241,7 +219,7 @@ void rotary_(at::Tensor qk, at::Tensor positions, at::Tensor cos, at::Tensor sin
 at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "silu_and_mul");
   auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  dispatch(x, [&](auto tag) {
+  dispatch_float(x, [&](auto tag) {
     using T = decltype(tag);
     silu_and_mul_rows<T>(x.data_ptr<T>(), out.data_ptr<T>(), x.size(0), x.size(1) / 2);
   });
@@ -260,7 +238,7 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
   TORCH_CHECK(k.size(1) == width && v.size(1) == width, "write_kv: width");
   TORCH_CHECK(!packed || (head_dim % 2 == 0 && block_size % 2 == 0), "write_kv: packed needs even sizes");
   auto slots = slot_mapping.contiguous();
-  dispatch(k, [&](auto tag) {
+  dispatch_float(k, [&](auto tag) {
     using T = decltype(tag);
     if (packed) {
       write_kv_rows_packed<T>(k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0), k_cache.data_ptr<T>(),

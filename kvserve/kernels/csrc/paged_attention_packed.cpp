@@ -1,6 +1,6 @@
 // Paged decode attention over the pair-packed bf16 cache (kv_layout.h), for CPUs with AVX512-BF16.
 //
-// Same task split, online softmax and block-table reads as paged_attention.cpp, but about half the instructions
+// Same tasks, online softmax and block-table reads as paged_attention.cpp (attention_common.h), but about half the instructions
 // per cached token: q.k and p.v are both `vdpbf16ps` against broadcast pairs, with no horizontal sums and no
 // bf16 -> fp32 widening of K/V. With the standard layout the kernel was compute-bound (~26 GB/s from L3, ~16 from
 // memory, where a plain read gets ~50 GB/s); this one reads 27-44 GB/s from memory (batch 128, contexts of
@@ -29,26 +29,22 @@ inline __m512bh pair_bcast(const uint32_t* p) { return (__m512bh)_mm512_set1_epi
 
 template <int HD, int G>
 void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* block_table,
-                   const int64_t* seq_lens, at::BFloat16* out, int64_t num_seqs, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t block_size, int64_t table_stride, float scale,
-                   int64_t heads_per_task) {
+                   const int64_t* seq_lens, at::BFloat16* out, const PagedShape& shape, float scale, int64_t hpt) {
+  static_assert(kW == 16, "the packed layout's 16-token tiles are one AVX-512 vector");
   constexpr int NV = HD / 16;  // zmm per fp32 head row
   constexpr int NP = HD / 2;   // dim pairs per head
+  const int64_t block_size = shape.block_size, table_stride = shape.table_stride;
   const int64_t tile = HD * block_size;  // one kv head's K (or V) within a block
-  const int64_t block_elems = num_kv_heads * tile;
-  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
-  const int nq = static_cast<int>(heads_per_task) * G;
+  const int64_t block_elems = shape.num_kv_heads * tile;
+  const int nq = static_cast<int>(hpt) * G;
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(nq * HD), m(nq), lsum(nq * 16);
-    alignas(64) uint16_t p[G][16];  // one sub-tile's probabilities per query head, bf16
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t task = interleaved(i, num_seqs * tasks_per_seq);
-      const int64_t s = task / tasks_per_seq;
-      const int64_t h0 = (task % tasks_per_seq) * heads_per_task;
+  parallel_over_tasks(shape, hpt, [&] {
+    return [&, acc = std::vector<float>(nq * HD), m = std::vector<float>(nq),
+            lsum = std::vector<float>(nq * 16)](int64_t s, int64_t h0) mutable {
+      alignas(64) uint16_t p[G][16];  // one sub-tile's probabilities per query head, bf16
       const int64_t len = seq_lens[s];
-      const int64_t q0 = s * num_heads + h0 * G;  // first query head of the task
+      const int64_t q0 = s * shape.num_heads + h0 * G;  // first query head of the task
       const uint32_t* qp = reinterpret_cast<const uint32_t*>(q + q0 * HD);  // its rows as bf16 pairs
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
@@ -59,7 +55,7 @@ void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
         const int n = static_cast<int>(std::min(block_size, len - start));
         const bool has_next = start + block_size < len;
         const int64_t next = has_next ? table[start / block_size + 1] : 0;
-        for (int64_t hh = 0; hh < heads_per_task; ++hh) {
+        for (int64_t hh = 0; hh < hpt; ++hh) {
           const int64_t head_off = (h0 + hh) * tile;
           const uint16_t* kt = k_cache + block * block_elems + head_off;
           const uint16_t* vt = v_cache + block * block_elems + head_off;
@@ -98,13 +94,11 @@ void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
               __m512 l = _mm512_loadu_ps(&lsum[j * 16]);
               // The running max rarely moves after the first tiles: test every lane before reducing any.
               if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(m[j]), _CMP_GT_OQ)) {
-                const float tile_max = _mm512_reduce_max_ps(sc);
-                const float r = std::exp(m[j] - tile_max);  // 0 on the first tile (m = -inf)
+                const float r = move_max(m[j], _mm512_reduce_max_ps(sc));
                 scale_row(a_mem + g * HD, r, HD);
                 l = _mm512_mul_ps(l, _mm512_set1_ps(r));
-                m[j] = tile_max;
               }
-              const __m512 e = exp_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m[j])));
+              const __m512 e = vexp(_mm512_sub_ps(sc, _mm512_set1_ps(m[j])));
               _mm512_storeu_ps(&lsum[j * 16], _mm512_add_ps(l, e));
               _mm256_store_si256(reinterpret_cast<__m256i*>(p[g]), (__m256i)_mm512_cvtneps_pbh(e));
             }
@@ -131,7 +125,7 @@ void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
         scale_row(&acc[j * HD], 1.f / l, HD);
         store_row(&acc[j * HD], out + (q0 + j) * HD, HD);
       }
-    }
+    };
   });
 }
 
@@ -153,27 +147,19 @@ bool packed_kv_supported(int64_t head_dim, int64_t group, int64_t block_size) {
 // block_table [S, max_blocks] int32; seq_lens [S] int64 (each >= 1). Returns [S, H, D] bf16.
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16, "packed cache: bf16 only");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous(), "block_table: int32");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(), "seq_lens: int64");
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head layout mismatch");
-  TORCH_CHECK(packed_kv_supported(head_dim, num_heads / num_kv_heads, block_size),
+  const PagedShape p = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "packed cache: bf16 only");
+  TORCH_CHECK(packed_kv_supported(p.head_dim, p.group(), p.block_size),
               "no packed decode kernel for this shape on this CPU");
   auto out = at::empty_like(q);
 #if defined(__AVX512BF16__)
-  // As in paged_attention.cpp: whole blocks per task when there are enough sequences for every thread.
-  const int64_t heads_per_task = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
-  with_head_shape(head_dim, num_heads / num_kv_heads, [&](auto hd, auto g) {
+  with_head_shape(p.head_dim, p.group(), [&](auto hd, auto g) {
     packed_decode<decltype(hd)::value, decltype(g)::value>(
         reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
         reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
         reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), block_table.data_ptr<int32_t>(),
-        seq_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), num_seqs, num_heads, num_kv_heads, block_size,
-        block_table.size(1), static_cast<float>(scale), heads_per_task);
+        seq_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), p, static_cast<float>(scale),
+        heads_per_task(p));
   });
 #endif
   return out;

@@ -32,48 +32,42 @@ inline float gumbel(uint64_t key, uint32_t i) {
   return -std::log(-std::log(u));
 }
 
-#if defined(__AVX512F__)
-inline __m512i mix32_v(__m512i h) {
-  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(0x7feb352d));
-  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
-  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0x846ca68bu)));
-  return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+inline vi mix32_v(vi h) {
+  h = vixor(h, visrl<16>(h));
+  h = vimul(h, viset(0x7feb352d));
+  h = vixor(h, visrl<15>(h));
+  h = vimul(h, viset(static_cast<int32_t>(0x846ca68bu)));
+  return vixor(h, visrl<16>(h));
 }
-#endif
 
 int64_t draw_row(const float* x, int64_t n, uint64_t key) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t arg = 0;
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512i lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(key)));
-  const __m512i hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(key >> 32)));
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 vbest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512i varg = _mm512_setzero_si512();
-  for (; i + 16 <= n; i += 16) {
-    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i)), lane);
-    const __m512i h = mix32_v(_mm512_xor_si512(mix32_v(_mm512_xor_si512(idx, lo)), hi));
-    const __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepu32_ps(_mm512_srli_epi32(h, 9)), _mm512_set1_ps(0.5f)),
-                                   _mm512_set1_ps(1.0f / 8388608.0f));
-    const __m512 g = _mm512_sub_ps(_mm512_setzero_ps(),
-                                   log_ps(_mm512_sub_ps(_mm512_setzero_ps(), log_ps(u))));
-    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(x + i), g);
-    const __mmask16 better = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);
-    vbest = _mm512_mask_mov_ps(vbest, better, v);
-    varg = _mm512_mask_mov_epi32(varg, better, idx);
+  const vi lo = viset(static_cast<int32_t>(static_cast<uint32_t>(key)));
+  const vi hi = viset(static_cast<int32_t>(static_cast<uint32_t>(key >> 32)));
+  vf vbest = vset(-std::numeric_limits<float>::infinity());
+  vi varg = viset(0);
+  for (; i + kW <= n; i += kW) {
+    const vi idx = viadd(viset(static_cast<int32_t>(i)), viota());
+    const vi h = mix32_v(vixor(mix32_v(vixor(idx, lo)), hi));
+    // h >> 9 < 2^23: exact as a signed conversion.
+    const vf u = vmul(vadd(vitof(visrl<9>(h)), vset(0.5f)), vset(1.0f / 8388608.0f));
+    const vf g = vsub(vzero(), vlog(vsub(vzero(), vlog(u))));
+    const vf v = vadd(vload(x + i), g);
+    const vm better = vgt(v, vbest);
+    vbest = vselect(better, vbest, v);
+    varg = vselect(better, varg, idx);
   }
-  alignas(64) float bv[16];
-  alignas(64) int32_t ba[16];
-  _mm512_store_ps(bv, vbest);
-  _mm512_store_si512(ba, varg);
-  for (int j = 0; j < 16; ++j)
+  alignas(64) float bv[kW];
+  alignas(64) int32_t ba[kW];
+  vstore(bv, vbest);
+  vistore(ba, varg);
+  for (int j = 0; j < kW; ++j)
     if (bv[j] > best || (bv[j] == best && ba[j] < arg)) {
       best = bv[j];
       arg = ba[j];
     }
-#endif
   for (; i < n; ++i) {
     const float v = x[i] + gumbel(key, static_cast<uint32_t>(i));
     if (v > best) {
