@@ -191,6 +191,23 @@ def export_torch_isa_caps() -> None:
     os.environ.setdefault("ATEN_CPU_CAPABILITY", aten)
 
 
+def platform_record(dtype: str, num_threads: int) -> dict:
+    """What a benchmark ran on, for its JSON: the CPU, its features, the ISA level, threads and dtype."""
+    info = cpu_info()
+    return {
+        "cpu": info.model_name,
+        "arch": info.arch,
+        "isa": info.isa,
+        "native_isa": info.native_isa,
+        "forced": info.forced,
+        "features": sorted(info.features),
+        "native_features": sorted(info.native_features),
+        "num_cpus": info.num_cpus,
+        "threads": num_threads,
+        "dtype": dtype,
+    }
+
+
 def startup_summary(dtype: str, num_threads: int, kernels: str) -> str:
     """The one line kvserve logs when an engine starts: CPU, ISA level, threads, dtype and kernels in use."""
     info = cpu_info()

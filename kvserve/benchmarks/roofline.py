@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvserve.benchmarks.throughput import platform_line
 from kvserve.engine.arg_utils import EngineArgs, add_cli_args
+from kvserve.platform import platform_record
 
 
 @dataclass
@@ -176,6 +178,7 @@ def main(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     llm = LLM.from_engine_args(args)
     llm.engine.engine_core.runner.prefault_kv_cache()  # as in `bench throughput`: time steady state
+    print(platform_line(llm.engine.config.model.dtype))
     dtype = getattr(torch, llm.engine.config.model.dtype)
     num_params = count_parameters(llm.engine.config.model.arch)
     limits = measure_machine(dtype)
@@ -215,6 +218,7 @@ def main(ns: argparse.Namespace) -> int:
         with open(ns.json, "w") as f:
             json.dump(
                 {
+                    "platform": platform_record(llm.engine.config.model.dtype, torch.get_num_threads()),
                     "machine": asdict(limits),
                     "num_params": num_params,
                     "compute_roofline_tok_s": compute_roof,

@@ -16,6 +16,21 @@ from dataclasses import asdict, dataclass, replace
 
 from kvserve.benchmarks.datasets import DATASETS, BenchRequest, DatasetSpec, build_dataset
 from kvserve.engine.arg_utils import EngineArgs, add_cli_args
+from kvserve.platform import platform_record, startup_summary
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def platform_line(dtype: str) -> str:
+    """The CPU, its ISA level and features, threads and dtype: every benchmark prints it first."""
+    from kvserve.kernels.cpu import kernel_isa, load_cpu_kernels
+
+    kernels = f"C++ {kernel_isa()}" if load_cpu_kernels() is not None else "pure torch"
+    return startup_summary(dtype, torch_threads(), kernels)
 
 
 @dataclass
@@ -165,6 +180,8 @@ def main(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM.from_engine_args(args)
     print(f"kvserve loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    dtype = llm.engine.config.model.dtype
+    print(platform_line(dtype))
     vocab = llm.engine.config.model.arch.vocab_size
     requests = build_dataset(dataset_spec(ns), vocab)
     print(
@@ -201,7 +218,7 @@ def main(ns: argparse.Namespace) -> int:
     results = [sorted(runs[name], key=lambda r: r.seconds)[(len(runs[name]) - 1) // 2] for name, _ in configs]
 
     if ns.hf_batch_sizes:
-        hf = load_hf_model(resolve_model_path(ns.model), args.create_engine_config().model.dtype)
+        hf = load_hf_model(resolve_model_path(ns.model), dtype)
         pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
         for bs in ns.hf_batch_sizes:
             r = run_hf(hf, requests, bs, pad)
@@ -213,6 +230,7 @@ def main(ns: argparse.Namespace) -> int:
         with open(ns.json, "w") as f:
             json.dump(
                 {
+                    "platform": platform_record(dtype, torch_threads()),
                     "dataset": asdict(dataset_spec(ns)),
                     "results": [r.to_dict() for r in results],
                     "kvserve_runs": {name: [r.to_dict() for r in rs] for name, rs in runs.items()},
