@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if ns.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("kvserve.startup").setLevel(logging.INFO)  # the one-line platform summary
     try:
         return ns.func(ns)
     except ValueError as e:
