@@ -5,13 +5,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels.cpu import load_cpu_kernels
+from kvserve.layers.custom_op import CustomOp
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x = [gate | up] along the last dim -> silu(gate) * up (one fused pass on CPU when the kernels built)."""
-    kernels = load_cpu_kernels()
-    if kernels is not None and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous():
-        return kernels.silu_and_mul(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+class SiluAndMul(CustomOp):
+    """x [..., 2 * d] = [gate | up] along the last dim -> silu(gate) * up [..., d]."""
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or not x.is_contiguous():  # the fused kernel takes contiguous [T, 2 * d] rows
+            return self.forward_native(x)
+        assert self.kernels is not None
+        return self.kernels.silu_and_mul(x)

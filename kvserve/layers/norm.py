@@ -5,32 +5,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.kernels.cpu import load_cpu_kernels
+from kvserve.layers.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
+class RMSNorm(CustomOp):
+    """forward(x) -> norm(x); forward(x, residual) -> (norm(x + residual), x + residual), the next residual.
+
+    NOTE: the cpu path works in place on `x` and `residual` (both are the layer's own temporaries); without a
+    residual it works on a copy, since the caller may keep `x` (the first layer's residual).
+    """
+
+    def __init__(
+        self, hidden_size: int, eps: float, device: torch.device | str = "cpu", use_kernel: bool = True
+    ) -> None:
+        super().__init__(device, use_kernel)
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self._kernels = load_cpu_kernels()
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """With `residual`, computes norm(x + residual) and also returns x + residual (the next residual).
-
-        NOTE: the fused kernel works in place on `x` and `residual` (both are the layer's own temporaries);
-        without a residual it works on a copy, since the caller may keep `x` (the first layer's residual).
-        """
-        k = self._kernels
-        if k is not None and x.device.type == "cpu" and x.is_contiguous():
-            if residual is None:
-                out = x.clone()
-                k.rms_norm_(out, None, self.weight, self.eps)
-                return out
-            k.rms_norm_(x, residual, self.weight, self.eps)
-            return x, residual
         if residual is not None:
             x = x + residual
             residual = x
@@ -39,3 +33,19 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * xf.to(x.dtype)
         return out if residual is None else (out, residual)
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not x.is_contiguous():  # the kernel walks contiguous rows
+            return self.forward_native(x, residual)
+        assert self.kernels is not None
+        if residual is None:
+            out = x.clone()
+            self.kernels.rms_norm_(out, None, self.weight, self.eps)
+            return out
+        self.kernels.rms_norm_(x, residual, self.weight, self.eps)
+        return x, residual
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, impl={self.impl}"

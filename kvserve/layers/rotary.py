@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
-from kvserve.kernels.cpu import load_cpu_kernels
+from kvserve.layers.custom_op import CustomOp
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -36,29 +35,44 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch
     raise ValueError(f"unsupported rope_type {rope_type!r}")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
+    """In place: `rotate_(positions, x, num_heads)` (also its `forward`) rotates the first `num_heads` heads of
+    each row of x [T, >= num_heads * head_dim], a view into the fused qkv output (q heads then k heads, rows of
+    any stride)."""
+
     def __init__(
-        self, head_dim: int, max_position: int, theta: float, scaling: dict | None, dtype: torch.dtype
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict | None,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        use_kernel: bool = True,
     ) -> None:
-        super().__init__()
+        super().__init__(device, use_kernel)
         inv_freq = compute_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # NOTE: cached in the model dtype because HF casts cos/sin to it before use.
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)  # [max_position, head_dim // 2]
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
-        self._kernels = load_cpu_kernels()
 
     def rotate_(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
-        """Rotate, in place, the first `num_heads` heads of each row of x [T, >= num_heads * D] (a view into the
-        fused qkv output: q heads then k heads, rows of any stride)."""
+        self._forward_impl(positions, x, num_heads)
+
+    def forward_native(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
         head_dim = 2 * self.cos.shape[1]
-        if self._kernels is not None and x.device.type == "cpu" and x.stride(-1) == 1:
-            self._kernels.rotary_(x, positions, self.cos, self.sin, num_heads, head_dim)
-            return
         heads = x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
         heads.copy_(_rotate(heads, cos, sin))
+
+    def forward_cpu(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
+        if x.stride(-1) != 1:  # the kernel takes rows of any stride but contiguous within a row
+            self.forward_native(positions, x, num_heads)
+            return
+        assert self.kernels is not None
+        self.kernels.rotary_(x, positions, self.cos, self.sin, num_heads, 2 * self.cos.shape[1])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import nn
 
 from kvserve.attention.base import AttentionBackend, KVCache
 from kvserve.config import ArchConfig
-from kvserve.layers.activation import silu_and_mul
+from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
@@ -65,9 +65,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -10,7 +10,8 @@ and a seeded request's draw depends on nothing but its key. Its key is derived f
 tokens are the same whatever else is in the batch and survive preemption and recomputation. The argmax form is
 also what makes that hold in practice: different batch compositions round the logits differently (by ~1e-6),
 and an argmax only moves if the two best perturbed values are that close, whereas an inverse-CDF draw shifts
-whenever the truncated tail's mass does. The C++ kernel (kvserve/kernels/csrc/sampling.cpp) fuses the pass.
+whenever the truncated tail's mass does. The C++ kernel (kvserve/kernels/csrc/sampling.cpp) fuses the pass:
+`GumbelSample` picks it or the torch draw once, when the sampler is built.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import xxhash
+
+from kvserve.layers.custom_op import CustomOp
 
 
 @dataclass
@@ -55,12 +58,24 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None = None
 
 
-class Sampler:
-    def __init__(self, use_kernel: bool = True) -> None:
-        from kvserve.kernels.cpu import load_cpu_kernels
+class GumbelSample(CustomOp):
+    """The random draw: argmax(logits + Gumbel noise hashed from each row's key): [B, V], [B] int64 -> [B].
 
-        # The fused C++ draw (max, normaliser and CDF scan in one multithreaded kernel) where it builds.
-        self.kernels = load_cpu_kernels() if use_kernel else None
+    The cpu path is one fused multithreaded kernel pass; the native path is `gumbel_sample` (same hash, a
+    different log, so a draw may differ where two perturbed values tie within rounding).
+    """
+
+    def forward_native(self, logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return gumbel_sample(logits, keys)
+
+    def forward_cpu(self, logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        assert self.kernels is not None
+        return self.kernels.sample_gumbel(logits.float().contiguous(), keys)
+
+
+class Sampler:
+    def __init__(self, device: torch.device | str = "cpu", use_kernel: bool = True) -> None:
+        self.gumbel = GumbelSample(device, use_kernel)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] fp32 (not modified in place)."""
@@ -108,9 +123,7 @@ class Sampler:
         keys = torch.randint(0, _KEY_RANGE, (logits.shape[0],), generator=md.generator)
         for row, (seed, position) in md.seeds.items():
             keys[row] = position_key(seed, position)
-        if self.kernels is not None and logits.device.type == "cpu":
-            return self.kernels.sample_gumbel(logits.float().contiguous(), keys)
-        return gumbel_sample(logits, keys)
+        return self.gumbel(logits, keys)
 
 
 _KEY_RANGE = 1 << 62
