@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-# One layer's cache: (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+# One layer's cache: (key_cache, value_cache), each of the backend's `kv_cache_shape`.
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -38,6 +38,11 @@ class AttentionBackend(ABC):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The shape of each of a layer's K and V cache tensors (vLLM's get_kv_cache_shape). The allocator gives
+        every layer a zeroed K and V of this shape; the backend alone knows the order of the elements inside."""
 
     def describe(self, block_size: int) -> str:
         """The kernels this backend runs, for the start-up summary."""

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import os
 import threading
 
 import torch
 
-from kvserve.attention.base import KVCache
-from kvserve.config import ArchConfig, CacheConfig
+from kvserve.attention.base import AttentionBackend, KVCache
+from kvserve.config import CacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -21,10 +22,10 @@ _DEFAULT_FRACTION = 0.4
 _DEFAULT_CAP = 4 << 30
 
 
-def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block across all layers."""
+def bytes_per_block(backend: AttentionBackend, block_size: int, num_layers: int, dtype: torch.dtype) -> int:
+    """K and V of one block across all layers, in the backend's layout."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * arch.head_dim * element
+    return 2 * num_layers * math.prod(backend.kv_cache_shape(1, block_size)) * element
 
 
 def available_memory() -> int:
@@ -38,13 +39,13 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_blocks_for(cache_config: CacheConfig, arch: ArchConfig, dtype: torch.dtype) -> int:
+def num_blocks_for(cache_config: CacheConfig, backend: AttentionBackend, num_layers: int, dtype: torch.dtype) -> int:
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
     budget = cache_config.kv_cache_memory
     if budget is None:
         budget = min(int(available_memory() * _DEFAULT_FRACTION), _DEFAULT_CAP)
-    per_block = bytes_per_block(arch, cache_config.block_size, dtype)
+    per_block = bytes_per_block(backend, cache_config.block_size, num_layers, dtype)
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory={budget} bytes holds no block of {per_block} bytes; raise kv_cache_memory")
@@ -58,23 +59,34 @@ def num_blocks_for(cache_config: CacheConfig, arch: ArchConfig, dtype: torch.dty
     return int(num_blocks)
 
 
-def allocate_kv_cache(num_blocks: int, block_size: int, arch: ArchConfig, dtype: torch.dtype) -> list[KVCache]:
-    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim], all zero.
+def allocate_kv_cache(
+    backend: AttentionBackend,
+    num_blocks: int,
+    block_size: int,
+    num_layers: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[KVCache]:
+    """Per layer (K, V), each of the backend's `kv_cache_shape(num_blocks, block_size)`, all zero, on `device`.
 
     The memory must be zero, not garbage: padded slots of a gathered context get attention weight 0, and
-    0 * NaN from stale memory would still poison the sum. One anonymous mapping gives zeroed memory whose pages
-    the kernel supplies on first write, so start-up does not pay for touching gigabytes (torch.zeros of 4 GiB
-    takes ~6 s here). No huge pages: in this VM a fresh 2 MiB page costs ~4x more to fault in than the 4 KiB
-    pages it replaces, and decode reads measured no faster with them.
+    0 * NaN from stale memory would still poison the sum. On the CPU, one anonymous mapping gives zeroed memory
+    whose pages the kernel supplies on first write, so start-up does not pay for touching gigabytes (torch.zeros
+    of 4 GiB takes ~6 s here); the tensors are consecutive slices of it (prefault_kv_cache relies on that). No
+    huge pages: in this VM a fresh 2 MiB page costs ~4x more to fault in than the 4 KiB pages it replaces, and
+    decode reads measured no faster with them. Other devices get torch.zeros there.
     """
-    shape = (num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
-    per_tensor = num_blocks * block_size * arch.num_key_value_heads * arch.head_dim
-    num_tensors = 2 * arch.num_hidden_layers
-    element = torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, num_tensors * per_tensor * element, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    flat = torch.frombuffer(buf, dtype=dtype)  # keeps `buf` alive
-    tensors = [flat[i * per_tensor : (i + 1) * per_tensor].view(shape) for i in range(num_tensors)]
-    return [(tensors[2 * i], tensors[2 * i + 1]) for i in range(arch.num_hidden_layers)]
+    shape = backend.kv_cache_shape(num_blocks, block_size)
+    num_tensors = 2 * num_layers
+    if torch.device(device).type == "cpu":
+        per_tensor = math.prod(shape)
+        element = torch.empty((), dtype=dtype).element_size()
+        buf = mmap.mmap(-1, num_tensors * per_tensor * element, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        flat = torch.frombuffer(buf, dtype=dtype)  # keeps `buf` alive
+        tensors = [flat[i * per_tensor : (i + 1) * per_tensor].view(shape) for i in range(num_tensors)]
+    else:
+        tensors = list(torch.zeros((num_tensors, *shape), dtype=dtype, device=device).unbind(0))
+    return [(tensors[2 * i], tensors[2 * i + 1]) for i in range(num_layers)]
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.base import AttentionInputs, KVCache
-from kvserve.attention.torch_cpu import TorchAttentionBackend
+from kvserve.attention.selector import get_attn_backend
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.loader.model_loader import load_model
@@ -58,13 +58,14 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.dtype = getattr(torch, model_config.dtype)
         arch = model_config.arch
-        self.attn_backend = TorchAttentionBackend(
+        self.attn_backend = get_attn_backend(
             arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, self.dtype
         )
         start = time.perf_counter()
         self.model = load_model(model_config, self.attn_backend)
         logger.info("loaded %s in %.1fs", model_config.model, time.perf_counter() - start)
-        logger.info(
+        # Its own logger, which the CLI shows even without -v: what the platform chose is worth one line always.
+        logging.getLogger("kvserve.startup").info(
             startup_summary(model_config.dtype, torch.get_num_threads(), self.attn_backend.describe(self.block_size))
         )
         self.vocab_size = arch.vocab_size
@@ -75,9 +76,13 @@ class ModelRunner:
             model_config.max_model_len,
             cdiv(model_config.max_model_len, self.block_size),
         )
-        self.num_blocks = num_blocks_for(cache_config, arch, self.dtype)
-        self.kv_caches: list[KVCache] = allocate_kv_cache(self.num_blocks, cache_config.block_size, arch, self.dtype)
+        num_layers = arch.num_hidden_layers
+        self.num_blocks = num_blocks_for(cache_config, self.attn_backend, num_layers, self.dtype)
+        self.kv_caches: list[KVCache] = allocate_kv_cache(
+            self.attn_backend, self.num_blocks, self.block_size, num_layers, self.dtype, device="cpu"
+        )
         self._prefault_stop = threading.Event()
+        self._prefault_thread: threading.Thread | None = None
         if cache_config.kv_prefault != "off":
             self.prefault_kv_cache(background=cache_config.kv_prefault == "background")
 
@@ -87,9 +92,18 @@ class ModelRunner:
         if not background:
             prefault_kv_cache(self.kv_caches)
             return
-        threading.Thread(
+        self._prefault_thread = threading.Thread(
             target=prefault_kv_cache, args=(self.kv_caches, self._prefault_stop), name="kv-prefault", daemon=True
-        ).start()
+        )
+        self._prefault_thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the background KV prefault (it ends within one 64 MiB chunk) and wait for it. The owner calls this
+        when it shuts down. Idempotent; steps may still run afterwards (untouched pages fault in on first use)."""
+        self._prefault_stop.set()
+        if self._prefault_thread is not None:
+            self._prefault_thread.join()
+            self._prefault_thread = None
 
     # ------------------------------------------------------------------ one step
 

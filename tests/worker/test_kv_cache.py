@@ -1,27 +1,22 @@
+import math
 import threading
 
+import pytest
 import torch
 
-from kvserve.config import ArchConfig
-from kvserve.worker.kv_cache import allocate_kv_cache, prefault_kv_cache
+from kvserve.attention.torch_ref import TorchRefAttentionBackend
+from kvserve.config import CacheConfig
+from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for, prefault_kv_cache
 
-ARCH = ArchConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    max_position_embeddings=128,
-)
+NUM_LAYERS = 3
+
+
+def backend(dtype: torch.dtype = torch.bfloat16) -> TorchRefAttentionBackend:
+    return TorchRefAttentionBackend(num_heads=4, num_kv_heads=2, head_dim=8, dtype=dtype)
 
 
 def test_fresh_cache_is_zero_and_prefault_keeps_contents():
-    caches = allocate_kv_cache(200, 16, ARCH, torch.bfloat16)
+    caches = allocate_kv_cache(backend(), 200, 16, NUM_LAYERS, torch.bfloat16, "cpu")
     assert len(caches) == 3 and caches[0][0].shape == (200, 16, 2, 8)
     assert all(not t.any() for kv in caches for t in kv)
     caches[1][1][7] = 3.5  # written "by the engine" before the pages are populated
@@ -33,7 +28,37 @@ def test_fresh_cache_is_zero_and_prefault_keeps_contents():
 
 
 def test_prefault_stops_when_asked():
-    caches = allocate_kv_cache(64, 16, ARCH, torch.float32)
+    caches = allocate_kv_cache(backend(torch.float32), 64, 16, NUM_LAYERS, torch.float32, "cpu")
     stop = threading.Event()
     stop.set()
     assert prefault_kv_cache(caches, stop) is False
+
+
+class _OtherLayout(TorchRefAttentionBackend):
+    """A backend that wants heads before tokens inside a block."""
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_kv_heads, block_size, self.head_dim)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # "meta": any non-CPU device takes the torch.zeros path
+def test_allocation_follows_the_backends_shape_and_size(device):
+    b = _OtherLayout(4, 2, 8, torch.float32)
+    caches = allocate_kv_cache(b, 5, 16, NUM_LAYERS, torch.float32, device)
+    assert len(caches) == NUM_LAYERS
+    for k, v in caches:
+        assert k.shape == v.shape == (5, 2, 16, 8)
+        assert k.device.type == v.device.type == device and k.dtype == torch.float32
+    total = sum(t.numel() * t.element_size() for kv in caches for t in kv)
+    assert total == 5 * bytes_per_block(b, 16, NUM_LAYERS, torch.float32)
+    assert bytes_per_block(b, 16, NUM_LAYERS, torch.bfloat16) == 2 * NUM_LAYERS * 16 * 2 * 8 * 2
+    if device == "cpu":  # one mapping, consecutive slices (prefault_kv_cache relies on that)
+        ptrs = [t.data_ptr() for kv in caches for t in kv]
+        step = math.prod(k.shape) * 4
+        assert ptrs == [ptrs[0] + i * step for i in range(2 * NUM_LAYERS)]
+
+
+def test_num_blocks_from_a_budget_uses_the_backends_block_size():
+    per_block = bytes_per_block(backend(), 16, NUM_LAYERS, torch.bfloat16)
+    config = CacheConfig(block_size=16, kv_cache_memory=10 * per_block + per_block // 2)
+    assert num_blocks_for(config, backend(), NUM_LAYERS, torch.bfloat16) == 10

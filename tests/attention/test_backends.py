@@ -1,4 +1,5 @@
-"""The torch CPU paged-attention backend against plain per-sequence causal attention."""
+"""The CPU paged-attention backends (torch reference and C++ kernels) against plain per-sequence causal
+attention, and the backend choice."""
 
 from __future__ import annotations
 
@@ -8,9 +9,23 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.attention import torch_cpu
+from kvserve.attention import cpu_kernels
 from kvserve.attention.base import AttentionInputs
-from kvserve.attention.torch_cpu import TorchAttentionBackend, pack_kv_blocks, unpack_kv_blocks
+from kvserve.attention.cpu_kernels import CpuKernelAttentionBackend, pack_kv_blocks, unpack_kv_blocks
+from kvserve.attention.selector import get_attn_backend
+from kvserve.attention.torch_ref import TorchRefAttentionBackend
+from kvserve.kernels.cpu import load_cpu_kernels
+
+
+def make_backend(use_kernel: bool, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    if use_kernel:
+        assert load_cpu_kernels() is not None, "the C++ kernel failed to build"
+        return CpuKernelAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
+    return TorchRefAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
+
+
+def uses_packed_layout(backend, block_size: int) -> bool:
+    return isinstance(backend, CpuKernelAttentionBackend) and backend.uses_packed_layout(block_size)
 
 
 def reference_attention(q, k, v, scale):
@@ -37,7 +52,7 @@ def test_mixed_batch_matches_reference(mode, dtype, atol, num_heads, num_kv_head
     use_kernel = mode != "torch"
     if mode == "cpp-kernel+sdpa":
         # (0, 13) and (3, 30) exceed 150 query x context pairs and go to SDPA; (21, 5) and the decodes stay.
-        monkeypatch.setattr(torch_cpu, "_KERNEL_MAX_WORK", 150)
+        monkeypatch.setattr(cpu_kernels, "_KERNEL_MAX_WORK", 150)
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     # (cached context, new query tokens): decodes first, then prefill chunks with and without context.
@@ -78,9 +93,8 @@ def test_mixed_batch_matches_reference(mode, dtype, atol, num_heads, num_kv_head
     q = torch.randn(int(qsl[-1]), num_heads, head_dim).to(dtype)
     k_new = torch.cat([full_k[i][c:] for i, (c, _) in enumerate(seqs)])
     v_new = torch.cat([full_v[i][c:] for i, (c, _) in enumerate(seqs)])
-    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, use_kernel=use_kernel)
-    assert (backend.kernels is not None) == use_kernel, "the C++ kernel failed to build"
-    packed = backend.uses_packed_layout(block_size)
+    backend = make_backend(use_kernel, num_heads, num_kv_heads, head_dim, dtype)
+    packed = uses_packed_layout(backend, block_size)
     if packed:  # the cached context was written in the standard order above
         key_cache, value_cache = pack_kv_blocks(key_cache, value_cache)
     scale = head_dim**-0.5
@@ -106,7 +120,7 @@ def test_mixed_batch_matches_reference(mode, dtype, atol, num_heads, num_kv_head
 def test_packed_layout_round_trip_and_writes(num_heads, num_kv_heads, head_dim, block_size):
     """pack/unpack are inverses, and the kernel's packed writes land where pack_kv_blocks puts standard ones."""
     torch.manual_seed(0)
-    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, torch.bfloat16)
+    backend = make_backend(True, num_heads, num_kv_heads, head_dim, torch.bfloat16)
     if not backend.uses_packed_layout(block_size):
         pytest.skip("no AVX512-BF16 on this CPU: the packed layout is not used")
     shape = (6, block_size, num_kv_heads, head_dim)
@@ -134,10 +148,10 @@ def test_stale_cache_contents_do_not_leak_into_other_requests(use_kernel, dtype,
     NaN it produced, must not change the next owner's output."""
     torch.manual_seed(0)
     hkv = 1
-    backend = TorchAttentionBackend(2, hkv, hd, dtype, use_kernel=use_kernel)
+    backend = make_backend(use_kernel, 2, hkv, hd, dtype)
     key_cache = torch.zeros(3, bs, hkv, hd, dtype=dtype)
     value_cache = torch.zeros(3, bs, hkv, hd, dtype=dtype)
-    packed = backend.uses_packed_layout(bs)
+    packed = uses_packed_layout(backend, bs)
 
     def decode_inputs(seq_lens, table, slots):
         return AttentionInputs(
@@ -213,13 +227,33 @@ def test_kernel_long_context_and_many_sequences_match_torch():
     inputs = AttentionInputs(
         len(seq_lens), np.arange(len(seq_lens) + 1), seq_lens.astype(np.int64), table, np.zeros(0, dtype=np.int64), bs
     )
-    kernel = TorchAttentionBackend(num_heads, num_kv, hd, torch.bfloat16, use_kernel=True)
+    kernel = make_backend(True, num_heads, num_kv, hd, torch.bfloat16)
     md = kernel.build_metadata(inputs)
     got = kernel.kernels.paged_attention_decode(q, kc, vc, md.token_block_table, md.token_seq_lens, hd**-0.5)
-    reference = TorchAttentionBackend(num_heads, num_kv, hd, torch.bfloat16, use_kernel=False)
+    reference = TorchRefAttentionBackend(num_heads, num_kv, hd, torch.bfloat16)
     want = reference._decode(q, kc, vc, reference.build_metadata(inputs), hd**-0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     if kernel.uses_packed_layout(bs):
         pk, pv = pack_kv_blocks(kc, vc)
         got = kernel.kernels.paged_attention_packed(q, pk, pv, md.token_block_table, md.token_seq_lens, hd**-0.5)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_selector_picks_the_kernel_backend_when_the_kernels_load(monkeypatch):
+    from kvserve.attention import selector
+
+    backend = get_attn_backend(8, 2, 64, torch.bfloat16)
+    assert isinstance(
+        backend, CpuKernelAttentionBackend if load_cpu_kernels() is not None else TorchRefAttentionBackend
+    )
+    monkeypatch.setattr(selector, "load_cpu_kernels", lambda: None)  # no build, or KVSERVE_CPU_KERNELS=0
+    backend = get_attn_backend(8, 2, 64, torch.bfloat16)
+    assert isinstance(backend, TorchRefAttentionBackend)
+    assert backend.describe(16) == "pure torch (no C++ kernels)"
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp-kernel", "torch"])
+def test_kv_cache_shape_is_the_standard_block_shape(use_kernel):
+    """Both backends keep [num_blocks, block_size, num_kv_heads, head_dim] (the packed layout reorders inside)."""
+    backend = make_backend(use_kernel, 9, 3, 64, torch.bfloat16)
+    assert backend.kv_cache_shape(7, 16) == (7, 16, 3, 64)

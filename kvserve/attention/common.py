@@ -1,0 +1,84 @@
+"""Pieces both CPU backends use: a prefill chunk's span (its blocks and causal mask) and SDPA over it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.base import AttentionInputs, KVCache
+from kvserve.utils import cdiv
+
+# Standard-order blocks from whatever the cache holds: (key_blocks, value_blocks) -> the same, unpacked.
+UnpackFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class PrefillSpan:
+    query_start: int
+    query_len: int
+    seq_len: int
+    block_ids: torch.Tensor  # [num_blocks] int64, just enough blocks to hold seq_len tokens
+    mask: torch.Tensor | None  # [query_len, seq_len] bool (True = may attend); None when plainly causal
+
+
+def prefill_span(inputs: AttentionInputs, i: int) -> PrefillSpan:
+    qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
+    start, q_len, seq_len = int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i])
+    num_blocks = cdiv(seq_len, inputs.block_size)
+    block_ids = torch.from_numpy(inputs.block_table[i, :num_blocks]).long()
+    mask = None
+    if q_len != seq_len:
+        # Query token j sits at position seq_len - q_len + j and sees keys up to that position.
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        mask = torch.arange(seq_len)[None, :] <= q_pos
+    return PrefillSpan(start, q_len, seq_len, block_ids, mask)
+
+
+def sdpa_prefill_spans(
+    q: torch.Tensor,  # [T, H, hd]
+    k: torch.Tensor,  # [T, Hkv, hd], the step's new keys
+    v: torch.Tensor,  # [T, Hkv, hd]
+    kv_cache: KVCache,
+    spans: list[PrefillSpan],
+    scale: float,
+    out: torch.Tensor,  # [T, H, hd], rows of the spans filled here
+    unpack: UnpackFn | None = None,
+) -> None:
+    """Each prefill chunk through SDPA, over its own fresh K/V or, after cached context, the gathered blocks
+    (through `unpack` when the cache holds another order than the standard one)."""
+    key_cache, value_cache = kv_cache
+    hkv, hd = k.shape[1], k.shape[2]
+    for span in spans:
+        s, e = span.query_start, span.query_start + span.query_len
+        if span.mask is None:  # no cached context: the chunk's own K/V are the whole context
+            out[s:e] = sdpa(q[s:e], k[s:e], v[s:e], None, scale)
+        else:
+            keys = key_cache.index_select(0, span.block_ids)
+            values = value_cache.index_select(0, span.block_ids)
+            if unpack is not None:
+                keys, values = unpack(keys, values)
+            keys = keys.reshape(-1, hkv, hd)[: span.seq_len]
+            values = values.reshape(-1, hkv, hd)[: span.seq_len]
+            out[s:e] = sdpa(q[s:e], keys, values, span.mask, scale)
+
+
+def sdpa(
+    q: torch.Tensor,  # [Q, H, hd]
+    keys: torch.Tensor,  # [S, Hkv, hd]
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, H, Q, hd]
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)  # [Q, H, hd]

@@ -1,0 +1,167 @@
+"""Paged attention with the C++ CPU kernels (kernels/csrc/paged_attention*.cpp).
+
+Every decode token and every token of a small prefill chunk is one row of a single kernel call that reads K/V
+through its request's block table up to the token's own position (so causality needs no mask): one call per
+layer, no gathered context, no per-request loop. On this CPU that is 1.5-1.7x faster than SDPA for prompt chunks
+of up to ~300 tokens and on par at 512. Big chunks (more than 1024 x 1024 query-key pairs) go to SDPA, one
+request at a time, as in the torch reference (attention/torch_ref.py).
+
+With a bf16 cache on a CPU with AVX512-BF16, the cache blocks hold the pair-packed layout of
+kernels/csrc/kv_layout.h (same block size and place, another order inside), which the packed kernel reads with
+about half the instructions per cached token; SDPA spans unpack the blocks they gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
+from kvserve.attention.common import PrefillSpan, prefill_span, sdpa_prefill_spans
+from kvserve.kernels.cpu import kernel_isa, load_cpu_kernels
+from kvserve.utils import cdiv
+
+
+def pack_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard [N, B, Hkv, D] blocks -> the pair-packed order (kv_layout.h), same shape: K tiles [Hkv][D/2][B][2],
+    V tiles [Hkv][B/2][D][2]."""
+    n, b, h, d = key_cache.shape
+    k = key_cache.view(n, b, h, d // 2, 2).permute(0, 2, 3, 1, 4)
+    v = value_cache.view(n, b // 2, 2, h, d).permute(0, 3, 1, 4, 2)
+    return k.contiguous().view(n, b, h, d), v.contiguous().view(n, b, h, d)
+
+
+def unpack_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of pack_kv_blocks."""
+    n, b, h, d = key_cache.shape
+    k = key_cache.view(n, h, d // 2, b, 2).permute(0, 3, 1, 2, 4)
+    v = value_cache.view(n, h, b // 2, d, 2).permute(0, 2, 4, 1, 3)
+    return k.reshape(n, b, h, d), v.reshape(n, b, h, d)
+
+
+# A chunk goes to the kernel if query tokens x context tokens is at most this, to SDPA if more. Alone, the kernel
+# costs ~35-48 ns per (query, key) pair and layer whatever the shape, while SDPA's cost per pair falls as the chunk
+# grows (58 ns at 300 x 300, 46 at 512 x 512, 22 at 2048 x 2048). In a step, SDPA also pays for the gather of a
+# cached context, the output scatter and a call per request, so the switch is set above the isolated crossover.
+_KERNEL_MAX_WORK = 1024 * 1024
+
+
+@dataclass
+class CpuKernelMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    # One kernel row per query token it takes (decodes and short prefill chunks alike).
+    kernel_rows: torch.Tensor | None  # [N] int64 token indices; None = every token of the step
+    token_block_table: torch.Tensor | None  # [N, max_blocks] int32, the token's request's blocks; None if N = 0
+    token_seq_lens: torch.Tensor | None  # [N] int64, keys the token sees (its position + 1)
+    prefills: list[PrefillSpan]  # the big chunks, through SDPA
+    packed: bool  # the cache holds the pair-packed layout
+
+
+class CpuKernelAttentionBackend(AttentionBackend):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kernels: ModuleType | None = None,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.group = num_heads // num_kv_heads
+        kernels = kernels if kernels is not None else load_cpu_kernels()
+        if kernels is None:
+            raise RuntimeError("the C++ CPU kernels are not available: use TorchRefAttentionBackend")
+        self.kernels = kernels
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        # NOTE: the pair-packed layout keeps this shape and each token's block; only the order inside a block differs.
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def uses_packed_layout(self, block_size: int) -> bool:
+        """Whether caches of this block size hold the pair-packed layout (fixed for a cache's whole life)."""
+        return self.dtype == torch.bfloat16 and self.kernels.packed_kv_supported(self.head_dim, self.group, block_size)
+
+    def describe(self, block_size: int) -> str:
+        """Which kernels run attention (and the elementwise ops and sampling, which share the build)."""
+        layout = ", pair-packed bf16 KV" if self.uses_packed_layout(block_size) else ""
+        return f"C++ {kernel_isa()}{layout}"
+
+    def build_metadata(self, inputs: AttentionInputs) -> CpuKernelMetadata:
+        qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
+        num_tokens = int(qsl[-1])
+        # Decodes and small prefill chunks go to the kernel, one row per token; big chunks go to SDPA, whose tiles
+        # reuse each K/V row across many queries where the kernel re-reads the whole context for every query token
+        # (measured: 1.5x faster than SDPA for a 300-token prompt, even at 512, 1.6x slower at 2048).
+        by_kernel = np.diff(qsl) * seq_lens <= _KERNEL_MAX_WORK
+        prefills = [prefill_span(inputs, i) for i in np.flatnonzero(~by_kernel)]
+        req = np.repeat(np.arange(len(seq_lens)), np.diff(qsl))  # request of each token
+        rows = None
+        if prefills:
+            rows_np = np.flatnonzero(by_kernel[req])
+            req = req[rows_np]
+            rows = torch.from_numpy(rows_np)
+            tokens = rows_np
+        else:
+            tokens = np.arange(num_tokens)
+        table = seq_lens_t = None
+        if len(req):
+            # A request's query tokens are its last q_len positions: token t sees seq_len - (end - 1 - t) keys.
+            token_seq_lens = seq_lens[req] - (qsl[req + 1] - 1 - tokens)
+            num_blocks = cdiv(int(seq_lens[req].max()), inputs.block_size)
+            table = torch.from_numpy(np.ascontiguousarray(inputs.block_table[req, :num_blocks]))
+            seq_lens_t = torch.from_numpy(token_seq_lens.astype(np.int64))
+        return CpuKernelMetadata(
+            slot_mapping=torch.from_numpy(inputs.slot_mapping),
+            kernel_rows=rows,
+            token_block_table=table,
+            token_seq_lens=seq_lens_t,
+            prefills=prefills,
+            packed=self.uses_packed_layout(inputs.block_size),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: CpuKernelMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        num_tokens = q.shape[0]
+        hkv, hd = self.num_kv_heads, self.head_dim
+        # Every write before any read (see AttentionBackend.forward). The kernel replaces non-finite values as it
+        # writes: the packed kernel's tiles read past a context's end, and a masked weight of 0 times a stale NaN
+        # is still NaN, so one broken request must not poison the requests that reuse its blocks later.
+        self.kernels.write_kv(
+            k.reshape(num_tokens, hkv * hd),
+            v.reshape(num_tokens, hkv * hd),
+            key_cache,
+            value_cache,
+            metadata.slot_mapping,
+            metadata.packed,
+        )
+        attend = self.kernels.paged_attention_packed if metadata.packed else self.kernels.paged_attention_decode
+        if metadata.kernel_rows is None:  # the common step: every token by the kernel, no copies
+            out = attend(
+                q.contiguous(), key_cache, value_cache, metadata.token_block_table, metadata.token_seq_lens, scale
+            )
+            return out.view(num_tokens, -1)
+        out = torch.empty(num_tokens, self.num_heads, hd, dtype=q.dtype)
+        if len(metadata.kernel_rows):
+            out[metadata.kernel_rows] = attend(
+                q[metadata.kernel_rows],
+                key_cache,
+                value_cache,
+                metadata.token_block_table,
+                metadata.token_seq_lens,
+                scale,
+            )
+        unpack = unpack_kv_blocks if metadata.packed else None
+        sdpa_prefill_spans(q, k, v, kv_cache, metadata.prefills, scale, out, unpack)
+        return out.view(num_tokens, -1)

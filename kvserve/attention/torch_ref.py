@@ -1,0 +1,109 @@
+"""The pure-torch paged-attention backend: the reference the kernel backend is tested against, and the path
+when the C++ kernels are not built (no compiler, or KVSERVE_CPU_KERNELS=0).
+
+Decodes gather each sequence's blocks into a padded context and use two batched matmuls; prefill chunks run one
+request at a time through SDPA with a causal mask offset by the request's cached context (a chunk with no cached
+context attends over its own fresh K/V). Python loops are per request, never per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
+from kvserve.attention.common import PrefillSpan, prefill_span, sdpa_prefill_spans
+from kvserve.utils import cdiv
+
+
+@dataclass
+class TorchRefMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decodes: int
+    decode_block_table: torch.Tensor | None  # [D, max_blocks] int32
+    decode_seq_lens: torch.Tensor | None  # [D] int64
+    prefills: list[PrefillSpan]
+
+
+class TorchRefAttentionBackend(AttentionBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.group = num_heads // num_kv_heads
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def describe(self, block_size: int) -> str:
+        return "pure torch (no C++ kernels)"
+
+    def build_metadata(self, inputs: AttentionInputs) -> TorchRefMetadata:
+        num_decodes = inputs.num_decodes
+        seq_lens = inputs.seq_lens
+        decode_block_table = decode_seq_lens = None
+        if num_decodes:
+            decode_seq_lens = torch.from_numpy(seq_lens[:num_decodes])
+            num_blocks = cdiv(int(decode_seq_lens.max()), inputs.block_size)
+            decode_block_table = torch.from_numpy(inputs.block_table[:num_decodes, :num_blocks]).contiguous()
+        return TorchRefMetadata(
+            slot_mapping=torch.from_numpy(inputs.slot_mapping),
+            num_decodes=num_decodes,
+            decode_block_table=decode_block_table,
+            decode_seq_lens=decode_seq_lens,
+            prefills=[prefill_span(inputs, i) for i in range(num_decodes, len(seq_lens))],
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: TorchRefMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        num_tokens = q.shape[0]
+        hkv, hd = self.num_kv_heads, self.head_dim
+        # Every write before any read (see AttentionBackend.forward). Decodes read whole padded blocks, and a
+        # masked weight of 0 times a stale NaN is still NaN; so the cache never takes a non-finite value, and one
+        # broken request cannot poison the requests that reuse its blocks later.
+        k = torch.nan_to_num(k)
+        v = torch.nan_to_num(v)
+        key_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, k)
+        value_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, v)
+
+        d = metadata.num_decodes
+        if d == num_tokens:  # decodes only (the common step): no output buffer to fill
+            return self._decode(q.contiguous(), key_cache, value_cache, metadata, scale).view(num_tokens, -1)
+        out = torch.empty(num_tokens, self.num_heads, hd, dtype=q.dtype)
+        if d:
+            out[:d] = self._decode(q[:d].contiguous(), key_cache, value_cache, metadata, scale)
+        sdpa_prefill_spans(q, k, v, kv_cache, metadata.prefills, scale, out)
+        return out.view(num_tokens, self.num_heads * hd)
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [D, H, hd]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: TorchRefMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """The decodes' attention over their padded gathered contexts: [D, H, hd]."""
+        assert metadata.decode_block_table is not None and metadata.decode_seq_lens is not None
+        d = q.shape[0]
+        hkv, hd = self.num_kv_heads, self.head_dim
+        table = metadata.decode_block_table.long()
+        ctx_len = table.shape[1] * key_cache.shape[1]
+        flat = table.reshape(-1)
+        # [D, L, Hkv, hd] -> [D, Hkv, L, hd]
+        keys = key_cache.index_select(0, flat).view(d, ctx_len, hkv, hd).transpose(1, 2)
+        values = value_cache.index_select(0, flat).view(d, ctx_len, hkv, hd).transpose(1, 2)
+        qg = q.view(d, hkv, self.group, hd)
+        scores = torch.matmul(qg, keys.transpose(2, 3)) * scale  # [D, Hkv, G, L]
+        past_end = torch.arange(ctx_len)[None, :] >= metadata.decode_seq_lens[:, None]
+        scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values).view(d, self.num_heads, hd)  # [D, Hkv, G, hd]
