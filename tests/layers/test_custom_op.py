@@ -15,7 +15,9 @@ from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.sample.sampler import GumbelSample
 
 KERNELS_BUILT = custom_op.load_cpu_kernels() is not None
-needs_kernels = pytest.mark.skipif(not KERNELS_BUILT, reason="C++ kernels did not build")
+needs_kernels = pytest.mark.skipif(
+    not KERNELS_BUILT, reason="C++ kernels not loaded (no build, or KVSERVE_CPU_KERNELS=0)"
+)
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
 
