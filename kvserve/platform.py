@@ -62,8 +62,7 @@ _LEVEL_CFLAGS = {
     "generic": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
-    "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                    "-mavx512bf16"],
+    "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
 }
 # torch's own caps for a forced level: (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY).
 _TORCH_CAPS = {

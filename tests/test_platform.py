@@ -43,7 +43,8 @@ def test_avx2_only_cpu_gets_float32_and_the_avx2_kernels(fake_cpu):
     assert not info.native_bf16
     assert platform.default_dtype() == "float32"
     assert resolve_dtype("auto") == "float32"
-    assert "-mavx2" in platform.kernel_compile_flags("avx2") and "-mavx512f" not in platform.kernel_compile_flags("avx2")
+    flags = platform.kernel_compile_flags("avx2")
+    assert "-mavx2" in flags and "-mavx512f" not in flags
 
 
 def test_avx512_bf16_cpu_gets_bfloat16(fake_cpu):
@@ -105,8 +106,7 @@ def test_explicit_bfloat16_without_native_bf16_runs_with_a_warning(fake_cpu, cap
 
 def test_forced_level_caps_torch_kernels_too():
     code = (
-        "import os, kvserve, torch;"
-        "print(os.environ.get('ONEDNN_MAX_CPU_ISA'), torch.backends.cpu.get_cpu_capability())"
+        "import os, kvserve, torch;print(os.environ.get('ONEDNN_MAX_CPU_ISA'), torch.backends.cpu.get_cpu_capability())"
     )
     env = {**os.environ, "KVSERVE_CPU_ISA": "generic"}
     env.pop("ONEDNN_MAX_CPU_ISA", None)

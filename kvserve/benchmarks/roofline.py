@@ -138,19 +138,21 @@ def profile_split(llm, num_requests: int = 64, seed: int = 0) -> dict[str, float
 def _op_timers():
     """Wall time per layer kind, by wrapping the modules' entry points (CPU ops are synchronous, so the time a
     call takes is the time its kernels take). Costs ~1 us per call: negligible next to the ops themselves."""
-    from kvserve.attention.torch_cpu import TorchAttentionBackend
+    from kvserve.attention.cpu_kernels import CpuKernelAttentionBackend
+    from kvserve.attention.torch_ref import TorchRefAttentionBackend
+    from kvserve.layers.activation import SiluAndMul
     from kvserve.layers.linear import Linear
     from kvserve.layers.norm import RMSNorm
     from kvserve.layers.rotary import RotaryEmbedding
-    from kvserve.models import llama
 
     totals: dict[str, float] = defaultdict(float)
     patched = [
         (Linear, "forward", "linear"),
-        (TorchAttentionBackend, "forward", "attention"),
+        (CpuKernelAttentionBackend, "forward", "attention"),
+        (TorchRefAttentionBackend, "forward", "attention"),
         (RMSNorm, "forward", "rmsnorm"),
         (RotaryEmbedding, "rotate_", "rotary"),
-        (llama, "silu_and_mul", "silu_and_mul"),
+        (SiluAndMul, "forward", "silu_and_mul"),
     ]
     originals = []
     for owner, attr, name in patched:

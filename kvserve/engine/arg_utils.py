@@ -166,7 +166,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or .gguf (default: the model's)")
     g.add_argument(
-        "--dtype", default=d.dtype, help="auto (bfloat16 where the CPU has native bf16, else float32), bfloat16, float32"
+        "--dtype",
+        default=d.dtype,
+        help="auto (bfloat16 where the CPU has native bf16, else float32), bfloat16, float32",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for requests without their own")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
