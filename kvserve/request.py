@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass
 
-from kvserve.core.hashing import BlockHash, hash_block_tokens
+from kvserve.core.hashing import BlockHash, extend_block_hashes
 from kvserve.sampling_params import SamplingParams
 
 
@@ -100,9 +100,4 @@ class Request:
             self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
-        bs = self.block_size
-        tokens = self.all_token_ids
-        for i in range(len(self.block_hashes), len(tokens) // bs):
-            parent = self.block_hashes[i - 1] if i > 0 else None
-            extra = self._first_block_extra_keys if i == 0 else None
-            self.block_hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self._first_block_extra_keys)

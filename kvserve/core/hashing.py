@@ -30,13 +30,23 @@ def hash_block_tokens(
     return h.digest()
 
 
+def extend_block_hashes(
+    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, extra_keys: tuple | None = None
+) -> list[BlockHash]:
+    """Append to `block_hashes` the hashes of the full blocks of `token_ids` it does not cover yet.
+
+    `block_hashes` must hold the hashes of the first `len(block_hashes)` blocks of `token_ids` (it is extended in
+    place and returned). `extra_keys` go into the first block only. Calling this after every appended token costs
+    one hash per newly completed block, so a request's hashes grow incrementally as it decodes.
+    """
+    for i in range(len(block_hashes), len(token_ids) // block_size):
+        parent = block_hashes[i - 1] if i > 0 else None
+        block_hashes.append(
+            hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys if i == 0 else None)
+        )
+    return block_hashes
+
+
 def hash_request_tokens(token_ids: Sequence[int], block_size: int, extra_keys: tuple | None = None) -> list[BlockHash]:
     """Hashes of every full block of `token_ids` (extra keys go into the first block only)."""
-    hashes: list[BlockHash] = []
-    parent = None
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block_tokens(
-            parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys if i == 0 else None
-        )
-        hashes.append(parent)
-    return hashes
+    return extend_block_hashes([], token_ids, block_size, extra_keys)

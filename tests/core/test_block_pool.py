@@ -3,7 +3,8 @@
 import pytest
 
 from kvserve.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
-from kvserve.core.hashing import hash_block_tokens, hash_request_tokens
+from kvserve.core.hashing import extend_block_hashes, hash_block_tokens, hash_request_tokens
+from tests.core.helpers import make_request
 
 
 def chain(n: int, start: int = 0) -> list[bytes]:
@@ -194,3 +195,24 @@ def test_hash_chains_distinguish_prefixes_and_salts():
     a = hash_request_tokens([9] * 4 + tokens, 4)
     b = hash_request_tokens([8] * 4 + tokens, 4)
     assert a[1] != b[1]  # same tokens, different parents
+
+
+def test_extend_block_hashes_grows_incrementally_to_the_whole_chain():
+    tokens = list(range(13))
+    whole = hash_request_tokens(tokens, 4, ("salt",))
+    assert len(whole) == 3
+    hashes: list[bytes] = []
+    for n in range(len(tokens) + 1):
+        extend_block_hashes(hashes, tokens[:n], 4, ("salt",))
+        assert hashes == whole[: n // 4]
+    assert whole[0] == hash_block_tokens(None, tokens[:4], ("salt",))
+    assert whole[1] == hash_block_tokens(whole[0], tokens[4:8])
+
+
+def test_request_block_hashes_follow_the_shared_chain_as_it_decodes():
+    req = make_request("r", list(range(6)), block_size=4, cache_salt="s")
+    assert req.block_hashes == hash_request_tokens(list(range(6)), 4, ("s",))
+    for t in (6, 7, 8):
+        req.append_output_token_id(t)
+    assert req.block_hashes == hash_request_tokens(list(range(9)), 4, ("s",))
+    assert len(req.block_hashes) == 2
