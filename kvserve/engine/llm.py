@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.processor import PromptType
+from kvserve.engine.processor import PromptType, render_chat_prompt
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.utils import next_request_id
@@ -115,17 +115,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[PromptType] = []
-        for conversation in conversations:
-            text = self.engine.tokenizer.apply_chat_template(
-                conversation,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}),
-            )
-            # The template already writes every special token; the tokenizer must not add a BOS of its own.
-            ids = self.engine.tokenizer(text, add_special_tokens=False).input_ids
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts: list[PromptType] = [
+            render_chat_prompt(self.engine.tokenizer, c, add_generation_prompt, chat_template_kwargs)
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stats(self) -> dict:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.engine.async_llm import AsyncLLM, RequestAborted, RequestStream
 from kvserve.engine.output_processor import OutputKind
+from kvserve.engine.processor import render_chat_prompt
 from kvserve.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -42,15 +43,9 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
     """Apply the model's chat template; any failure of the template is the request's fault (400)."""
     conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **(kwargs or {})
-        )
-    except Exception as e:
-        raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
-    if not isinstance(text, str):
-        raise OpenAIError("the chat template did not produce text", param="messages")
-    # The template writes the special tokens itself; the tokenizer must not add a BOS of its own.
-    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+        return render_chat_prompt(tokenizer, conversation, add_generation_prompt, kwargs)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="messages") from None
 
 
 class ChatHandler:
