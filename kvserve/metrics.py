@@ -78,8 +78,9 @@ class EngineMetrics:
         self._num_waiting.labels(m).set(stats.num_waiting)
         self._kv_usage.labels(m).set(stats.kv_cache_usage)
         last = self._last_core
-        self._prefix_queries.labels(m).inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
-        self._prefix_hits.labels(m).inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
+        cache, last_cache = stats.prefix_cache, last.prefix_cache if last else None
+        self._prefix_queries.labels(m).inc(cache.num_query_tokens - (last_cache.num_query_tokens if last_cache else 0))
+        self._prefix_hits.labels(m).inc(cache.num_hit_tokens - (last_cache.num_hit_tokens if last_cache else 0))
         self._preemptions.labels(m).inc(stats.num_preemptions - (last.num_preemptions if last else 0))
         self._last_core = stats
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler import Scheduler
+from kvserve.engine.messages import CoreStats
 from kvserve.outputs import EngineCoreOutput
 from kvserve.profiling import StepTimer
 from kvserve.request import EngineCoreRequest, Request, RequestStatus
@@ -49,12 +50,13 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
 
+    def make_stats(self) -> CoreStats:
+        """KV usage, scheduler queues and prefix-cache counters as plain values (the one place they are built)."""
+        return CoreStats(
+            **asdict(self.scheduler.make_stats()),
+            block_size=self.config.cache.block_size,
+            prefix_cache=replace(self.scheduler.kv.stats),
+        )
+
     def get_stats(self) -> dict:
-        """KV usage, scheduler queues and prefix-cache counters as plain values."""
-        sched = self.scheduler.make_stats()
-        cache = self.scheduler.kv.stats
-        return {
-            **asdict(sched),
-            "block_size": self.config.cache.block_size,
-            "prefix_cache": {**asdict(cache), "hit_rate": cache.hit_rate},
-        }
+        return self.make_stats().to_dict()

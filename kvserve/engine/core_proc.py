@@ -21,7 +21,6 @@ from kvserve.engine.messages import (
     AddRequest,
     CoreError,
     CoreOutputs,
-    CoreStats,
     Ready,
     Shutdown,
     encoder,
@@ -94,19 +93,4 @@ def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> No
             return
         step_outputs = core.step() if core.has_unfinished_requests() else []
         if step_outputs or handled_input:
-            outputs.send(encoder.encode(CoreOutputs(step_outputs, _stats(core))))
-
-
-def _stats(core) -> CoreStats:
-    s = core.scheduler.make_stats()
-    cache = core.scheduler.kv.stats
-    return CoreStats(
-        num_running=s.num_running,
-        num_waiting=s.num_waiting,
-        kv_cache_usage=s.kv_cache_usage,
-        num_preemptions=s.num_preemptions,
-        prefix_cache_queries=cache.num_query_tokens,
-        prefix_cache_hits=cache.num_hit_tokens,
-        num_blocks=s.num_blocks,
-        num_free_blocks=s.num_free_blocks,
-    )
+            outputs.send(encoder.encode(CoreOutputs(step_outputs, core.make_stats())))

@@ -6,8 +6,11 @@ that produced something, and after aborts), CoreError (a request the core refuse
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import msgspec
 
+from kvserve.core.block_pool import PrefixCacheStats
 from kvserve.outputs import EngineCoreOutput
 from kvserve.request import EngineCoreRequest
 
@@ -25,14 +28,24 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 class CoreStats(msgspec.Struct):
+    """The engine core's state after a step, built by EngineCore.make_stats() only.
+
+    It rides on every CoreOutputs to the frontend (for /metrics); LLM.stats() returns it as a dict (to_dict).
+    """
+
     num_running: int
     num_waiting: int
-    kv_cache_usage: float
+    kv_cache_usage: float  # fraction of blocks held by requests
     num_preemptions: int  # cumulative
-    prefix_cache_queries: int  # cumulative, tokens
-    prefix_cache_hits: int  # cumulative, tokens
     num_blocks: int
     num_free_blocks: int
+    block_size: int
+    prefix_cache: PrefixCacheStats  # cumulative counters (a copy, not the live object)
+
+    def to_dict(self) -> dict:
+        """Plain values, with the prefix cache's hit rate beside its counters."""
+        cache = self.prefix_cache
+        return {**msgspec.structs.asdict(self), "prefix_cache": {**asdict(cache), "hit_rate": cache.hit_rate}}
 
 
 class Ready(msgspec.Struct, tag="ready"):

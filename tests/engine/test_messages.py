@@ -1,0 +1,47 @@
+"""The core -> frontend stats value: one builder (EngineCore.make_stats), one wire format, one dict view."""
+
+from __future__ import annotations
+
+from kvserve.core.block_pool import PrefixCacheStats
+from kvserve.engine.messages import CoreOutputs, CoreStats, encoder, from_core_decoder
+
+
+def make_stats() -> CoreStats:
+    cache = PrefixCacheStats(num_lookups=2, num_query_tokens=40, num_hit_tokens=10, num_hit_blocks=2)
+    return CoreStats(
+        num_running=1,
+        num_waiting=2,
+        kv_cache_usage=0.25,
+        num_preemptions=3,
+        num_blocks=8,
+        num_free_blocks=6,
+        block_size=16,
+        prefix_cache=cache,
+    )
+
+
+def test_core_stats_survive_the_wire():
+    stats = make_stats()
+    msg = from_core_decoder.decode(encoder.encode(CoreOutputs([], stats)))
+    assert isinstance(msg, CoreOutputs) and msg.stats == stats
+    assert isinstance(msg.stats.prefix_cache, PrefixCacheStats)
+
+
+def test_core_stats_dict_view():
+    assert make_stats().to_dict() == {
+        "num_running": 1,
+        "num_waiting": 2,
+        "kv_cache_usage": 0.25,
+        "num_preemptions": 3,
+        "num_blocks": 8,
+        "num_free_blocks": 6,
+        "block_size": 16,
+        "prefix_cache": {
+            "num_lookups": 2,
+            "num_query_tokens": 40,
+            "num_hit_tokens": 10,
+            "num_hit_blocks": 2,
+            "num_evictions": 0,
+            "hit_rate": 0.25,
+        },
+    }
