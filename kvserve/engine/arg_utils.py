@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
@@ -52,6 +52,18 @@ def resolve_dtype(dtype: str) -> str:
 
 @dataclass
 class EngineArgs:
+    """The engine's options: `LLM(model, **options)` takes them as keywords, and each has a CLI flag of the same
+    name (`max_num_seqs` -> `--max-num-seqs`, see add_cli_args for the help texts).
+
+    model: HF model folder, .gguf file or embedded model name (None: the embedded default model).
+    tokenizer: tokenizer folder or .gguf (None: the model's). dtype: see resolve_dtype. seed: for requests
+    without their own. max_model_len: context limit (None: the model's). max_num_seqs: most requests running at
+    once. max_num_batched_tokens: token budget per step (None: 2048, or max_model_len without chunked prefill).
+    enable_chunked_prefill / enable_prefix_caching. block_size: tokens per KV block. kv_cache_memory: KV budget in
+    bytes (None: 40% of free RAM, at most 4 GiB). num_kv_blocks: exact KV block count (overrides the memory).
+    kv_prefault: fault the KV pool in at start-up: "off", "sync" or "background".
+    """
+
     model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None
     dtype: str = "auto"
@@ -68,21 +80,9 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
-        return cls(
-            model=ns.model,
-            tokenizer=ns.tokenizer,
-            dtype=ns.dtype,
-            seed=ns.seed,
-            max_model_len=ns.max_model_len,
-            max_num_seqs=ns.max_num_seqs,
-            max_num_batched_tokens=ns.max_num_batched_tokens,
-            block_size=ns.block_size,
-            kv_cache_memory=ns.kv_cache_memory,
-            num_kv_blocks=ns.num_kv_blocks,
-            enable_prefix_caching=ns.enable_prefix_caching,
-            enable_chunked_prefill=ns.enable_chunked_prefill,
-            kv_prefault=ns.kv_prefault or "off",
-        )
+        """Every field from the flag of the same name (add_cli_args); a flag left at None keeps the field default."""
+        values = {f.name: getattr(ns, f.name) for f in fields(cls)}
+        return cls(**{name: v for name, v in values.items() if v is not None})
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model_path(self.model)

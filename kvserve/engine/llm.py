@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -27,37 +28,18 @@ class LLM:
         print(out[0].outputs[0].text)
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        num_kv_blocks: int | None = None,
-    ) -> None:
-        args = EngineArgs(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            num_kv_blocks=num_kv_blocks,
-        )
-        self.engine = LLMEngine.from_engine_args(args)
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        """`model` and the keywords are EngineArgs fields (tokenizer, dtype, seed, max_model_len, max_num_seqs,
+        max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, block_size, kv_cache_memory,
+        num_kv_blocks, kv_prefault); EngineArgs documents each. An unknown keyword raises TypeError."""
+        options = {f.name for f in fields(EngineArgs)}
+        unknown = sorted(set(engine_kwargs) - options)
+        if unknown:
+            raise TypeError(
+                f"LLM() got unexpected keyword argument(s) {', '.join(unknown)}; "
+                f"the engine options (EngineArgs fields) are: {', '.join(sorted(options))}"
+            )
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_kwargs))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:

@@ -258,6 +258,14 @@ def test_request_larger_than_kv_pool_is_rejected(model_path):
     assert len(small.generate(rand_prompt(20, 1), SamplingParams(max_tokens=10), use_tqdm=False)) == 1
 
 
+def test_llm_takes_every_engine_option_and_rejects_unknown_ones(model_path):
+    with pytest.raises(TypeError, match="unexpected keyword argument.*max_num_seq\\b.*engine options"):
+        LLM(model_path, max_num_seq=4)
+    llm = LLM(model_path, dtype="float32", max_model_len=128, num_kv_blocks=16, kv_prefault="sync")
+    assert llm.engine.engine_core.config.cache.kv_prefault == "sync"
+    assert len(llm.generate(rand_prompt(5, 1), SamplingParams(max_tokens=2), use_tqdm=False)) == 1
+
+
 # ---------------------------------------------------------------------------- abort, streaming, chat
 
 

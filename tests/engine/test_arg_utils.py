@@ -1,0 +1,42 @@
+"""EngineArgs is the one list of engine options: the CLI flags and from_cli_args follow its fields."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from kvserve.engine.arg_utils import EngineArgs, add_cli_args
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    return p
+
+
+def test_every_field_has_a_flag_and_every_engine_flag_a_field():
+    p = parser()
+    group = next(g for g in p._action_groups if g.title == "engine")
+    assert {a.dest for a in group._group_actions} == {f.name for f in fields(EngineArgs)}
+    for a in group._group_actions:
+        assert a.option_strings[0] == "--" + a.dest.replace("_", "-")
+        assert a.help
+
+
+def test_from_cli_args_defaults_and_flags():
+    assert EngineArgs.from_cli_args(parser().parse_args([])) == EngineArgs()
+    ns = parser().parse_args(
+        [
+            "--model", "m", "--dtype", "float32", "--max-num-seqs", "3", "--kv-cache-memory", "2MiB",
+            "--no-enable-prefix-caching", "--kv-prefault", "sync", "--max-model-len", "64",
+        ]
+    )  # fmt: skip
+    assert EngineArgs.from_cli_args(ns) == EngineArgs(
+        model="m",
+        dtype="float32",
+        max_num_seqs=3,
+        kv_cache_memory=2 << 20,
+        enable_prefix_caching=False,
+        kv_prefault="sync",
+        max_model_len=64,
+    )
