@@ -17,10 +17,10 @@ from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.core_client import AsyncMPClient, EngineDeadError
 from kvserve.engine.llm_engine import fan_out
 from kvserve.engine.messages import CoreError, CoreOutputs
+from kvserve.engine.metrics import EngineMetrics
 from kvserve.engine.output_processor import OutputKind, OutputProcessor
 from kvserve.engine.processor import Processor, PromptType
 from kvserve.loader.tokenizer import load_tokenizer
-from kvserve.metrics import EngineMetrics
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
