@@ -39,6 +39,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Only with skip_special_tokens=False: False writes consecutive added tokens ("<a><b>") without the space some
+    # decoders put between them ("<a> <b>"), as vLLM does.
     spaces_between_special_tokens: bool = True
     # Extra key mixed into the first block hash, so tenants who must not share cached prefixes don't.
     cache_salt: str | None = None

@@ -22,6 +22,13 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(
             ids=prompt_token_ids[-_PRIME_TOKENS:], skip_special_tokens=params.skip_special_tokens
         )
+        # vLLM's rule for fast tokenizers: with special tokens shown and spaces_between_special_tokens off, an added
+        # token right after another added token is written as its bare content, without the space the decoder
+        # would put before it. Empty (the rule is off) otherwise.
+        self._added_tokens: dict[int, str] = {}
+        if not params.skip_special_tokens and not params.spaces_between_special_tokens:
+            self._added_tokens = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+        self._last_was_added = False
         self.stop = list(params.stop or ())
         self.include_stop = params.include_stop_str_in_output
         self.max_stop_len = params.max_stop_str_len
@@ -36,6 +43,11 @@ class IncrementalDetokenizer:
         added = 0
         for token_id in ids:
             piece = self._stream.step(self._tokenizer, token_id)
+            if self._added_tokens:
+                content = self._added_tokens.get(token_id)
+                if content is not None and self._last_was_added:
+                    piece = content
+                self._last_was_added = content is not None
             if piece:
                 self.output_text += piece
                 added += len(piece)

@@ -69,6 +69,7 @@ class SamplingFields(OpenAIModel):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
     @model_validator(mode="after")

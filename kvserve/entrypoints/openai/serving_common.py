@@ -63,6 +63,7 @@ def to_sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
         )
     except ValueError as e:
         field = str(e).split()[0].removeprefix("SamplingParams.")
