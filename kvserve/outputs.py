@@ -3,7 +3,7 @@ and the user-facing RequestOutput (shaped like vLLM's)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -75,5 +75,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    prompt_logprobs: None = None
-    extra: dict = field(default_factory=dict)
+    prompt_logprobs: None = None  # vLLM's field; prompt logprobs are not supported, so always None

@@ -37,9 +37,9 @@ class SchedulerOutput:
     # req_id -> tokens to compute this step, for every scheduled request.
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
-    # Requests the runner must forget before this step: finished, aborted or preempted since the last one.
+    # Requests the runner must forget before this step: finished, aborted or preempted since the last one. A
+    # preempted request comes back later as a new request (NewRequestData) with its output tokens so far.
     finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

@@ -164,7 +164,6 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
-            preempted_req_ids=preempted,
         )
 
     def update_from_output(

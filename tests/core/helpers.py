@@ -103,6 +103,15 @@ def run_to_completion(
     return outputs, history
 
 
+def preempted_per_step(history: list[SchedulerOutput]) -> list[set[str]]:
+    """The requests each step preempted: the runner is told to drop them, and they are sent in full again later
+    (a finished request never comes back)."""
+    return [
+        so.finished_req_ids & {new.req_id for later in history[k + 1 :] for new in later.scheduled_new_reqs}
+        for k, so in enumerate(history)
+    ]
+
+
 def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
     toks = list(prompt)
     for _ in range(max_tokens):

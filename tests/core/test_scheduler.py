@@ -8,6 +8,7 @@ from tests.core.helpers import (
     assert_no_leak,
     make_request,
     make_scheduler,
+    preempted_per_step,
     reference_output,
     run_to_completion,
 )
@@ -131,7 +132,7 @@ def test_preemption_by_recompute_keeps_outputs_and_frees_everything():
     prompts = {f"r{i}": [10 * i + j for j in range(1, 6)] for i in range(3)}
     reqs = [make_request(k, v, max_tokens=12) for k, v in prompts.items()]
     outputs, history = run_to_completion(s, reqs)
-    preempted = [h.preempted_req_ids for h in history if h.preempted_req_ids]
+    preempted = [p for p in preempted_per_step(history) if p]
     assert preempted, "the pool was meant to force a preemption"
     # The most recently admitted running request is the victim.
     assert preempted[0] == {"r2"}
