@@ -18,7 +18,13 @@ def imports_of(path: Path) -> set[str]:
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
+            # `from kvserve import engine` imports kvserve.engine.
+            names.update(f"{node.module}.{a.name}" for a in node.names)
     return names
+
+
+def within(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
 
 
 def package_imports(subpackage: str) -> dict[str, set[str]]:
@@ -57,3 +63,33 @@ def test_models_use_the_attention_interface_only():
                 n for n in names if n.startswith(("kvserve.attention.torch_cpu", "kvserve.engine", "kvserve.worker"))
             ]
             assert not bad, f"{sub}/{path} imports {bad}"
+
+
+def test_only_entrypoints_import_entrypoints():
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG)
+        if rel.parts[0] == "entrypoints":
+            continue
+        bad = [n for n in imports_of(path) if within(n, "kvserve.entrypoints")]
+        assert not bad, f"{rel} imports {bad}"
+
+
+def test_top_level_modules_do_not_import_the_engine_side():
+    # __init__.py is the public facade: it re-exports LLM and EngineArgs, lazily (importing kvserve.core stays
+    # torch-free), so it is the one top-level module that names kvserve.engine.
+    for path in PKG.glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        bad = [n for n in imports_of(path) if within(n, "kvserve.engine", "kvserve.worker", "kvserve.entrypoints")]
+        assert not bad, f"{path.name} imports {bad}"
+
+
+def test_only_platform_reads_cpuinfo():
+    readers = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if "/proc/cpuinfo" in p.read_text())
+    assert readers == ["platform.py"], f"CPU facts belong in kvserve/platform.py; also read by {readers}"
+
+
+def test_platform_never_imports_torch():
+    code = "import sys, kvserve.platform as p; p.cpu_info(); p.default_dtype(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
