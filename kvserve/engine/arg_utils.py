@@ -27,7 +27,7 @@ _FP16 = ("float16", "fp16", "half")
 
 
 def resolve_dtype(dtype: str) -> str:
-    """"auto" is bfloat16 where the CPU computes it natively and float32 elsewhere (kvserve.platform). An explicit
+    """`auto` is bfloat16 where the CPU computes it natively and float32 elsewhere (kvserve.platform). An explicit
     bfloat16 is honoured everywhere, with a warning where it is emulated: the weights then stay unpacked (oneDNN
     refuses to prepack bf16 there) and matmuls are far slower than in float32."""
     name = str(dtype).lower().removeprefix("torch.")

@@ -23,7 +23,14 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
     _CSRC / name
-    for name in ("bindings.cpp", "paged_attention.cpp", "paged_attention_packed.cpp", "sampling.cpp", "elementwise.cpp")
+    for name in (
+        "bindings.cpp",
+        "paged_attention.cpp",
+        "paged_attention_packed.cpp",
+        "sampling.cpp",
+        "elementwise.cpp",
+        "linear.cpp",
+    )
 ]
 
 
