@@ -128,7 +128,6 @@ struct FastDecode {
                   T* out, const PagedShape& p, float scale, int64_t hpt) {
     const int64_t block_size = p.block_size, token_stride = p.num_kv_heads * HD;
     const int nq = static_cast<int>(hpt) * G;
-    const int64_t row_bytes = hpt * HD * static_cast<int64_t>(sizeof(T));
     parallel_over_tasks(p, hpt, [&] {
       return [&, qf_all = std::vector<float>(nq * HD), qb_all = std::vector<uint16_t>(nq * HD),
               acc = std::vector<float>(nq * HD), scores = std::vector<float>(nq * block_size),
@@ -150,6 +149,7 @@ struct FastDecode {
           const int64_t next_base = has_next ? table[start / block_size + 1] * block_size * token_stride : 0;
           for (int hh = 0; hh < hpt; ++hh) {
             const int64_t base = block * block_size * token_stride + (h0 + hh) * HD;
+            const T* next_k = has_next ? k_cache + next_base + (h0 + hh) * HD : nullptr;
             // q.k for the G query heads of this kv head, kW tokens at a time.
             for (int g = 0; g < G; ++g) {
               const int j = hh * G + g;
@@ -159,8 +159,13 @@ struct FastDecode {
               for (int t0 = 0; t0 < n; t0 += kW) {
                 const int cnt = std::min(kW, n - t0);
                 vf part[kW];
-                for (int tt = 0; tt < kW; ++tt)
+                for (int tt = 0; tt < kW; ++tt) {
+                  // While reading this head's row of token t, fetch the same row of the next block (blocks sit
+                  // anywhere in the pool, so the hardware prefetcher cannot guess where it is).
+                  if (g == 0 && next_k != nullptr && tt < cnt)
+                    prefetch_range(next_k + (t0 + tt) * token_stride, HD * static_cast<int64_t>(sizeof(T)));
                   part[tt] = tt < cnt ? dot_partial(qf, qb, k_cache + base + (t0 + tt) * token_stride) : vzero();
+                }
                 const vf sc = vmul(vhsum(part), vset(scale));
                 if (cnt == kW) {
                   vstore(&scores[j * block_size + t0], sc);
@@ -172,8 +177,6 @@ struct FastDecode {
               }
             }
           }
-          if (has_next)
-            for (int t = 0; t < n; ++t) prefetch_range(k_cache + next_base + h0 * HD + t * token_stride, row_bytes);
           for (int j = 0; j < nq; ++j) {
             float* sc = &scores[j * block_size];
             const float r = move_max(m[j], std::max(m[j], max_of(sc, n)));
@@ -181,10 +184,9 @@ struct FastDecode {
             if (r != 1.f) scale_row(&acc[j * HD], r, HD);
           }
           for (int hh = 0; hh < hpt; ++hh)
-            accumulate_pv(v_cache + block * block_size * token_stride + (h0 + hh) * HD, token_stride,
+            accumulate_pv(v_cache + block * block_size * token_stride + (h0 + hh) * HD,
+                          has_next ? v_cache + next_base + (h0 + hh) * HD : nullptr, token_stride,
                           &scores[hh * G * block_size], block_size, n, &acc[hh * G * HD]);
-          if (has_next)
-            for (int t = 0; t < n; ++t) prefetch_range(v_cache + next_base + h0 * HD + t * token_stride, row_bytes);
         }
         for (int j = 0; j < nq; ++j) {
           scale_row(&acc[j * HD], 1.f / l[j], HD);
@@ -195,13 +197,16 @@ struct FastDecode {
   }
 
   // acc[g] += sum_t probs[g][t] * v[t] for the G query heads of one kv head, over n tokens of one block.
-  static inline void accumulate_pv(const T* v, int64_t token_stride, const float* probs, int64_t probs_stride,
-                                   int n, float* acc) {
+  // next_v: the same head's rows in the next block (prefetched alongside), or nullptr.
+  static inline void accumulate_pv(const T* v, const T* next_v, int64_t token_stride, const float* probs,
+                                   int64_t probs_stride, int n, float* acc) {
+    constexpr int64_t kRowBytes = HD * static_cast<int64_t>(sizeof(T));
     if constexpr (kRowsInRegisters) {
       vf a[G][NV];
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < NV; ++c) a[g][c] = vload(acc + g * HD + kW * c);
       for (int t = 0; t < n; ++t) {
+        if (next_v != nullptr) prefetch_range(next_v + t * token_stride, kRowBytes);
         const T* vrow = v + t * token_stride;
         vf vv[NV];
         for (int c = 0; c < NV; ++c) vv[c] = vload(vrow + kW * c);
@@ -217,6 +222,7 @@ struct FastDecode {
         vf a[G];
         for (int g = 0; g < G; ++g) a[g] = vload(acc + g * HD + kW * c);
         for (int t = 0; t < n; ++t) {
+          if (c == 0 && next_v != nullptr) prefetch_range(next_v + t * token_stride, kRowBytes);
           const vf vv = vload(v + t * token_stride + kW * c);
           for (int g = 0; g < G; ++g) a[g] = vfma(vset(probs[g * probs_stride + t]), vv, a[g]);
         }
