@@ -9,7 +9,8 @@ the pair-packed bf16 attention kernel needs). The C++ kernels are built once per
 `KVSERVE_CPU_ISA=<level>` forces a lower level than the CPU's (e.g. the AVX2 or generic path on an AVX-512
 machine), for tests and for measuring what a smaller CPU would run. A forced level also hides the features above
 it from the rest of kvserve (so `dtype="auto"` picks what that CPU would get) and caps torch's own kernels to it
-(oneDNN's ONEDNN_MAX_CPU_ISA, ATen's ATEN_CPU_CAPABILITY) unless those are set already.
+(oneDNN's ONEDNN_MAX_CPU_ISA, ATen's ATEN_CPU_CAPABILITY, MKL's MKL_ENABLE_INSTRUCTIONS) unless those are set
+already.
 """
 
 from __future__ import annotations
@@ -64,12 +65,20 @@ _LEVEL_CFLAGS = {
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
 }
-# torch's own caps for a forced level: (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY).
+# torch's own caps for a forced level: oneDNN, ATen's vectorised ops, and MKL (fp32 BLAS).
 _TORCH_CAPS = {
-    "generic": ("SSE41", "default"),
-    "avx2": ("AVX2", "avx2"),
-    "avx512": ("AVX512_CORE_VNNI", "avx512"),
-    "avx512_bf16": ("AVX512_CORE_BF16", "avx512"),
+    "generic": {"ONEDNN_MAX_CPU_ISA": "SSE41", "ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
+    "avx512_bf16": {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
 }
 
 
@@ -177,7 +186,7 @@ def kernel_compile_flags(isa: str) -> list[str]:
 
 
 def export_torch_isa_caps() -> None:
-    """Cap torch's own kernels (oneDNN, ATen's vectorised ops) at a forced level, so that a forced run measures
+    """Cap torch's own kernels (oneDNN, ATen's vectorised ops, MKL) at a forced level, so that a forced run measures
     what a CPU of that level would run throughout. Both are read on first use, so this must run before the first
     matmul; `kvserve/__init__.py` calls it. Variables the user set are left alone."""
     if not os.environ.get("KVSERVE_CPU_ISA"):
@@ -185,9 +194,8 @@ def export_torch_isa_caps() -> None:
     info = cpu_info()
     if not info.forced or info.arch not in ("x86_64", "amd64"):
         return
-    onednn, aten = _TORCH_CAPS[info.isa]
-    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
-    os.environ.setdefault("ATEN_CPU_CAPABILITY", aten)
+    for name, value in _TORCH_CAPS[info.isa].items():
+        os.environ.setdefault(name, value)
 
 
 def platform_record(dtype: str, num_threads: int) -> dict:
