@@ -60,7 +60,17 @@ def test_models_use_the_attention_interface_only():
     for sub in ("models", "layers"):
         for path, names in package_imports(sub).items():
             bad = [
-                n for n in names if n.startswith(("kvserve.attention.torch_cpu", "kvserve.engine", "kvserve.worker"))
+                n
+                for n in names
+                if n.startswith(
+                    (
+                        "kvserve.attention.cpu_kernels",
+                        "kvserve.attention.torch_ref",
+                        "kvserve.attention.selector",
+                        "kvserve.engine",
+                        "kvserve.worker",
+                    )
+                )
             ]
             assert not bad, f"{sub}/{path} imports {bad}"
 

@@ -60,3 +60,7 @@ class EngineCore:
 
     def get_stats(self) -> dict:
         return self.make_stats().to_dict()
+
+    def shutdown(self) -> None:
+        """Stop the runner's background work (the KV-pool prefault thread). Idempotent."""
+        self.runner.shutdown()

@@ -57,6 +57,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     outputs = ctx.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 0)
     outputs.connect(output_addr)
+    core = None
     try:
         from kvserve.engine.core import EngineCore
 
@@ -64,6 +65,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         outputs.send(encoder.encode(Ready(core.runner.num_blocks, core.max_tokens_per_request)))
         _busy_loop(core, inputs, outputs, parent)
     finally:
+        if core is not None:
+            core.shutdown()
         inputs.close(linger=0)
         outputs.close(linger=0)
         ctx.term()

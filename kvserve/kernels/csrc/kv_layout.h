@@ -8,7 +8,7 @@
 //                       tokens is D/2 instructions against a broadcast q pair, with no horizontal sums;
 //   V tile [B/2][D][2]: the (t, t+1) pair of every dim; a 64-byte load holds 16 dims of two tokens, so p.v for
 //                       two tokens is one instruction per 16 dims against a broadcast (p_t, p_t+1) pair.
-// kvserve/attention/torch_cpu.py has the same layout in torch (pack_kv_blocks / unpack_kv_blocks).
+// kvserve/attention/cpu_kernels.py has the same layout in torch (pack_kv_blocks / unpack_kv_blocks).
 #pragma once
 
 #include <cstdint>
