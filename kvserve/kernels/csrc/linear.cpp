@@ -2,15 +2,15 @@
 //
 // At one row a linear layer is a matrix-vector product, bound by how fast the weights stream from memory. oneDNN's
 // packed GEMV reads them at about half the rate a plain read reaches on the development machines
-// (docs/benchmarks.md), so this kernel streams the plain row-major weights itself: kW rows at a time, each row's
-// dot products accumulated as kW vectors and reduced together by vhsum, the rows split over the threads.
-// Every row m < M re-reads the same kW weight rows from L1/L2, so it is meant for M <= 4.
+// (docs/benchmarks.md), so this kernel streams the plain row-major weights itself: one weight row at a time, front
+// to back, so each thread reads one sequential stream, which the hardware prefetcher follows; four accumulators
+// hide the FMA latency. For each weight row the M input
+// rows are taken in turn while it is in L1, so it is meant for M <= 4.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <vector>
 
 #include "simd.h"
 
@@ -19,39 +19,31 @@ namespace {
 using namespace kvserve;
 
 template <typename T>
+inline float dot_row(const T* w, const float* x, int64_t K) {
+  vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  int64_t k = 0;
+  for (; k + 4 * kW <= K; k += 4 * kW) {
+    a0 = vfma(vload(w + k), vload(x + k), a0);
+    a1 = vfma(vload(w + k + kW), vload(x + k + kW), a1);
+    a2 = vfma(vload(w + k + 2 * kW), vload(x + k + 2 * kW), a2);
+    a3 = vfma(vload(w + k + 3 * kW), vload(x + k + 3 * kW), a3);
+  }
+  for (; k + kW <= K; k += kW) a0 = vfma(vload(w + k), vload(x + k), a0);
+  float s = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+  for (; k < K; ++k) s += to_f(w[k]) * x[k];
+  return s;
+}
+
+template <typename T>
 void linear_rows(const float* x, const T* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t num_blocks = (N + kW - 1) / kW;
   // ~64 KiB of weights per task: enough work to amortise the task, small enough to balance two threads.
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kW * K * static_cast<int64_t>(sizeof(T))));
-  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kW;
-      const int rows = static_cast<int>(std::min<int64_t>(kW, N - n0));
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (K * static_cast<int64_t>(sizeof(T))));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
       for (int64_t m = 0; m < M; ++m) {
-        const float* xm = x + m * K;
-        alignas(64) float out[kW];
-        if (rows == kW) {
-          vf acc[kW];
-          for (int r = 0; r < kW; ++r) acc[r] = vzero();
-          int64_t k = 0;
-          for (; k + kW <= K; k += kW) {
-            const vf xv = vload(xm + k);
-            for (int r = 0; r < kW; ++r) acc[r] = vfma(vload(w + (n0 + r) * K + k), xv, acc[r]);
-          }
-          vstore(out, vhsum(acc));
-          for (; k < K; ++k)
-            for (int r = 0; r < kW; ++r) out[r] += to_f(w[(n0 + r) * K + k]) * xm[k];
-        } else {  // the last, partial block
-          for (int r = 0; r < rows; ++r) {
-            float s = 0.f;
-            for (int64_t k = 0; k < K; ++k) s += to_f(w[(n0 + r) * K + k]) * xm[k];
-            out[r] = s;
-          }
-        }
-        for (int r = 0; r < rows; ++r)
-          y[m * N + n0 + r] = static_cast<T>(bias != nullptr ? out[r] + to_f(bias[n0 + r]) : out[r]);
+        const float s = dot_row(w + n * K, x + m * K, K);
+        y[m * N + n] = static_cast<T>(bias != nullptr ? s + to_f(bias[n]) : s);
       }
-    }
   });
 }
 
