@@ -27,7 +27,7 @@ demo: install
 # A level the CPU lacks falls back to the native one with a warning.
 test: install-test
 	$(PY) -m pytest -q tests
-	KVSERVE_CPU_ISA=avx2 $(PY) -m pytest -q tests/kernels tests/attention tests/layers
+	KVSERVE_CPU_ISA=avx2 $(PY) -m pytest -q tests/kernels tests/attention tests/layers tests/sample tests/models
 	KVSERVE_CPU_ISA=generic $(PY) -m pytest -q tests/kernels tests/attention tests/layers tests/sample tests/models
 
 lint: install-test
