@@ -51,7 +51,13 @@ class AsyncMPClient:
         mp = multiprocessing.get_context("spawn")
         self.proc = mp.Process(
             target=run_engine_core,
-            args=(config, input_addr, output_addr, logging.getLogger("kvserve").getEffectiveLevel()),
+            args=(
+                config,
+                input_addr,
+                output_addr,
+                logging.getLogger("kvserve").getEffectiveLevel(),
+                logging.getLogger("kvserve.startup").getEffectiveLevel(),
+            ),
             name="kvserve-engine-core",
             daemon=True,
         )

@@ -42,9 +42,13 @@ def _die_with_parent() -> None:
         pass
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: int) -> None:
-    """Process entry point (spawned by the frontend's client)."""
+def run_engine_core(
+    config: EngineConfig, input_addr: str, output_addr: str, log_level: int, startup_log_level: int = logging.INFO
+) -> None:
+    """Process entry point (spawned by the frontend's client). The log levels are the frontend's: kvserve's, and
+    that of the one-line platform summary, which the CLI shows even when the rest is quiet."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
+    logging.getLogger("kvserve.startup").setLevel(startup_log_level)
     _die_with_parent()
     parent = os.getppid()
     # SIGTERM (from the frontend or the death signal) ends the loop through SystemExit; SIGINT is the frontend's.
