@@ -54,8 +54,9 @@ class Linear(nn.Module):
         """Put the weight in the form the CPU matmuls read fastest, once weights are loaded. Irreversible.
 
         fp32 with the C++ kernels: the plain weight stays, since the few-row kernel (`linear_small`, batch-1
-        decode) streams it faster than oneDNN's packed GEMV; bigger batches go through F.linear on it, which is on
-        par with the packed GEMM for the layers' shapes. `keep_packed_too` also keeps a packed copy for those (the
+        decode) streams it faster than oneDNN's packed GEMV; bigger batches go through F.linear on it, on par with the
+        packed GEMM for the layers' shapes at decode batch sizes (~15% slower in 256+ row prefill chunks: the price
+        of not holding a second copy of every weight). `keep_packed_too` also keeps a packed copy for those (the
         LM head, whose vocab-wide GEMM is much faster packed; tied to the embedding, the plain weight costs
         nothing). Otherwise (bf16) the packed form replaces the plain weight.
         """
