@@ -121,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
         the embedding keeps the plain matrix for lookups)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_for_cpu(keep_packed_too=module is self.lm_head)
+                module.pack_for_cpu()
 
     def forward(
         self,

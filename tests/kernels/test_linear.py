@@ -1,4 +1,4 @@
-"""The few-row linear kernel (batch-1 decode) and the Linear layer's choice of path, against F.linear."""
+"""The panel-layout linear kernel (every batch size) and the Linear layer's choice of weight form, against F.linear."""
 
 from __future__ import annotations
 
@@ -6,61 +6,73 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.layers.linear import SMALL_M, Linear
+from kvserve.layers.linear import Linear
+from kvserve.platform import cpu_info
 from tests.kernels.build import require_kernels
 
 K = require_kernels()
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("m", [1, 3])
+def test_panel_layout():
+    w = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)
+    wp = K.pack_linear_weight(w)
+    width = K.linear_panel_width()
+    assert wp.shape == (1, 3, width)
+    torch.testing.assert_close(wp[0, :, :5], w.t())  # k-major panel
+    assert not wp[0, :, 5:].any()  # zero rows past N
+
+
+# Rows: the batch-1 stream, row tiles and their tails, several row blocks (K = 1536 holds ~40 rows per block);
+# K: a vector tail, one k block, several; N: partial panels.
+@pytest.mark.parametrize("m", [1, 2, 5, 7, 13, 64, 100])
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 20), (16, 1536), (5, 3)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_linear_small_matches_torch(dtype, tol, m, n, k, bias):
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_linear_packed_matches_torch(m, n, k, dtype, tol):
     torch.manual_seed(0)
     x = torch.randn(m, k).to(dtype)
     w = torch.randn(n, k).to(dtype)
-    b = torch.randn(n).to(dtype) if bias else None
-    got = K.linear_small(x, w, b)
-    want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert got.dtype == dtype and got.shape == (m, n)
-    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * k**0.5)
+    b = torch.randn(n).to(dtype)
+    wp = K.pack_linear_weight(w)
+    for bias in (None, b):
+        got = K.linear_packed(x, wp, n, bias)
+        want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        assert got.dtype == dtype and got.shape == (m, n)
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * k**0.5)
 
 
-@pytest.mark.parametrize("rows", [1, SMALL_M, SMALL_M + 1, 64])
-@pytest.mark.parametrize("keep_packed_too", [False, True])
-def test_fp32_linear_keeps_plain_weights_and_matches(rows, keep_packed_too, monkeypatch):
+def test_linear_packed_rejects_mismatches():
+    wp = K.pack_linear_weight(torch.randn(40, 8))
+    with pytest.raises(RuntimeError, match="n does not match"):
+        K.linear_packed(torch.randn(2, 8), wp, wp.shape[0] * K.linear_panel_width() + 1, None)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
+        K.linear_packed(torch.randn(2, 9), wp, 40, None)
+
+
+def _loaded(dtype: torch.dtype, bias: bool = True) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
     torch.manual_seed(0)
-    lin = Linear(64, 48, bias=True)
-    lin.weight.data.normal_()
-    lin.bias.data.normal_()
-    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
-    lin.pack_for_cpu(keep_packed_too=keep_packed_too)
-    assert lin.weight is not None and lin._small_kernels is not None
-    if not keep_packed_too:
-        assert lin._packed is None
-    calls = []
-    real = lin._small_kernels
+    lin = Linear(64, 48, bias=bias)
+    lin.weight.data = torch.randn(48, 64).to(dtype)
+    if bias:
+        lin.bias.data = torch.randn(48).to(dtype)
+    return lin, lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
 
-    class Spy:
-        def linear_small(self, *args):
-            calls.append(args[0].shape[0])
-            return real.linear_small(*args)
 
-    monkeypatch.setattr(lin, "_small_kernels", Spy())
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_fp32_linear_holds_only_panels_and_matches(rows):
+    lin, w, b = _loaded(torch.float32)
+    lin.pack_for_cpu()
+    assert lin.weight is None and lin._packed is None and lin._panels is not None
     x = torch.randn(rows, 64)
     torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-    assert calls == ([rows] if rows <= SMALL_M else [])  # few rows: the kernel; more: a GEMM
 
 
-def test_bf16_linear_is_packed_where_bf16_is_native():
-    from kvserve.platform import cpu_info
-
-    lin = Linear(64, 48)
-    lin.weight.data = torch.randn(48, 64).bfloat16()
+def test_bf16_linear_form_follows_the_cpu():
+    lin, w, b = _loaded(torch.bfloat16)
     lin.pack_for_cpu()
-    assert lin._small_kernels is None
+    assert lin.weight is None
     if cpu_info().native_bf16:
-        assert lin._packed is not None and lin.weight is None
+        assert lin._packed is not None and lin._panels is None  # oneDNN's bf16 kernels
     else:
-        assert lin._packed is None and lin.weight is not None
+        assert lin._panels is not None and lin._panels.dtype == torch.bfloat16  # not oneDNN's emulated bf16
+    x = torch.randn(3, 64).bfloat16()
+    torch.testing.assert_close(lin(x).float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=5e-2)

@@ -13,7 +13,9 @@ at::Tensor silu_and_mul(at::Tensor x);
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
               bool packed);
 bool packed_kv_supported(int64_t head_dim, int64_t group, int64_t block_size);
-at::Tensor linear_small(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+int64_t linear_panel_width();
+at::Tensor pack_linear_weight(at::Tensor w);
+at::Tensor linear_packed(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale);
 
@@ -27,7 +29,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::arg("packed") = false);
   m.def("packed_kv_supported", &packed_kv_supported, "whether the packed bf16 decode kernel runs these shapes here");
   m.def("paged_attention_packed", &paged_attention_packed, "paged attention over the pair-packed bf16 cache (CPU)");
-  m.def("linear_small", &linear_small, "x @ w.T (+ bias) for a few rows, streaming plain row-major weights",
-        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("linear_panel_width", &linear_panel_width, "weight rows per panel of pack_linear_weight's layout");
+  m.def("pack_linear_weight", &pack_linear_weight, "w [N, K] -> kvserve's panel layout [P, K, panel width]");
+  m.def("linear_packed", &linear_packed, "x @ w.T (+ bias) with w in the panel layout", py::arg("x"), py::arg("wp"),
+        py::arg("n"), py::arg("bias") = py::none());
   m.def("sample_gumbel", &sample_gumbel, "one categorical draw per row of logits (Gumbel-max, hashed noise)");
 }

@@ -1,11 +1,17 @@
-// Linear layers for a few rows (batch-1 decode): y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]).
+// Linear layers on the CPU for every batch size: y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), with the weight
+// held once, in kvserve's own panel layout (pack_linear_weight), for fp32 (and bf16) weights.
 //
-// At one row a linear layer is a matrix-vector product, bound by how fast the weights stream from memory. oneDNN's
-// packed GEMV reads them at about half the rate a plain read reaches on the development machines
-// (docs/benchmarks.md), so this kernel streams the plain row-major weights itself: one weight row at a time, front
-// to back, so each thread reads one sequential stream, which the hardware prefetcher follows; four accumulators
-// hide the FMA latency. For each weight row the M input
-// rows are taken in turn while it is in L1, so it is meant for M <= 4.
+// Panel layout: the weight rows are grouped in panels of kNP (two vectors' width); a panel is stored k-major,
+// [num_panels, K, kNP], zero-padded past N. Both ends of the batch range read it well:
+// - batch-1 decode is a matrix-vector product bound by streaming the weights: each thread reads its panels
+//   front to back, one sequential stream the hardware prefetcher follows;
+// - bigger batches run a register-tiled GEMM: kMR input rows x one panel of accumulators; each k step loads
+//   two weight vectors and broadcasts kMR input values for 2 x kMR FMAs, with no horizontal sums. The input
+//   block stays in L2 and the weight sub-panel in L1 across the row tiles (blocks of mc rows and kc).
+// BLAS GEMMs on plain weights copy ("pack") the weight panel on every call, which at decode batch sizes costs
+// about as much as the arithmetic; oneDNN avoids it with its own prepacked copy, but that layout is opaque and its
+// batch-1 GEMV reads it slower than a plain stream (docs/benchmarks.md), so keeping both would double the model's
+// memory. Products and sums are fp32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,51 +24,120 @@ namespace {
 
 using namespace kvserve;
 
-template <typename T>
-inline float dot_row(const T* w, const float* x, int64_t K) {
-  vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-  int64_t k = 0;
-  for (; k + 4 * kW <= K; k += 4 * kW) {
-    a0 = vfma(vload(w + k), vload(x + k), a0);
-    a1 = vfma(vload(w + k + kW), vload(x + k + kW), a1);
-    a2 = vfma(vload(w + k + 2 * kW), vload(x + k + 2 * kW), a2);
-    a3 = vfma(vload(w + k + 3 * kW), vload(x + k + 3 * kW), a3);
+constexpr int kNV = 2;         // vectors per panel row
+constexpr int kNP = kNV * kW;  // panel width: weight rows per panel
+// Row tile: kMR x kNV accumulators, kNV weight vectors and one broadcast must fit in the vector registers.
+constexpr int kMR = kNumVecRegs >= 32 ? 12 : 6;
+static_assert(kMR * kNV + kNV + 1 <= kNumVecRegs, "row tile does not fit in the vector registers");
+
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// y[0..MR)[0..ncols) (+)= x[0..MR)[0..kc) @ panel[0..kc)[0..ncols); x rows have stride ldx, y rows stride ldy.
+template <int MR, typename T>
+inline void row_tile(const float* x, int64_t ldx, const T* panel, int64_t kc, float* y, int64_t ldy, int ncols,
+                     bool accumulate) {
+  vf acc[MR][kNV];
+  alignas(64) float tmp[kNP];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < kNV; ++v) acc[i][v] = vzero();
+  if (accumulate) {
+    for (int i = 0; i < MR; ++i) {
+      const float* src = y + i * ldy;
+      if (ncols < kNP) {
+        std::copy(src, src + ncols, tmp);
+        src = tmp;
+      }
+      for (int v = 0; v < kNV; ++v) acc[i][v] = vload(src + v * kW);
+    }
   }
-  for (; k + kW <= K; k += kW) a0 = vfma(vload(w + k), vload(x + k), a0);
-  float s = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
-  for (; k < K; ++k) s += to_f(w[k]) * x[k];
-  return s;
+  for (int64_t k = 0; k < kc; ++k) {
+    vf w[kNV];
+    for (int v = 0; v < kNV; ++v) w[v] = vload(panel + k * kNP + v * kW);
+    for (int i = 0; i < MR; ++i) {
+      const vf b = vset(x[i * ldx + k]);
+      for (int v = 0; v < kNV; ++v) acc[i][v] = vfma(b, w[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    if (ncols == kNP) {
+      for (int v = 0; v < kNV; ++v) vstore(y + i * ldy + v * kW, acc[i][v]);
+    } else {
+      for (int v = 0; v < kNV; ++v) vstore(tmp + v * kW, acc[i][v]);
+      std::copy(tmp, tmp + ncols, y + i * ldy);
+    }
+  }
+}
+
+// The last rows of a block (fewer than kMR): the same tile with MR = rows.
+template <int MR, typename T>
+inline void tail_tile(int rows, const float* x, int64_t ldx, const T* panel, int64_t kc, float* y, int64_t ldy,
+                      int ncols, bool accumulate) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return row_tile<MR>(x, ldx, panel, kc, y, ldy, ncols, accumulate);
+    tail_tile<MR - 1>(rows, x, ldx, panel, kc, y, ldy, ncols, accumulate);
+  }
 }
 
 template <typename T>
-void linear_rows(const float* x, const T* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K) {
-  // ~64 KiB of weights per task: enough work to amortise the task, small enough to balance two threads.
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (K * static_cast<int64_t>(sizeof(T))));
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t m = 0; m < M; ++m) {
-        const float s = dot_row(w + n * K, x + m * K, K);
-        y[m * N + n] = static_cast<T>(bias != nullptr ? s + to_f(bias[n]) : s);
+void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t num_panels = cdiv(N, kNP);
+  // Blocks: input rows in blocks of at most ~256 KiB (they stay in L2 while every panel of the thread passes);
+  // k in blocks of ~300 (a ~19 KiB weight sub-panel stays in L1 across the block's row tiles), except for a few
+  // input rows, where each panel then streams front to back.
+  const int64_t kc = M <= kMR ? K : cdiv(K, cdiv(K, 320));
+  const int64_t mc_max = std::max<int64_t>(kMR, (256 << 10) / (K * static_cast<int64_t>(sizeof(float))) / kMR * kMR);
+  const int64_t mc = std::min(M, cdiv(cdiv(M, cdiv(M, mc_max)), kMR) * kMR);
+  at::parallel_for(0, num_panels, 1, [&](int64_t p_begin, int64_t p_end) {
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+      const int64_t mcur = std::min(mc, M - m0);
+      for (int64_t p = p_begin; p < p_end; ++p) {
+        const int ncols = static_cast<int>(std::min<int64_t>(kNP, N - p * kNP));
+        float* yp = y + m0 * N + p * kNP;
+        for (int64_t k0 = 0; k0 < K; k0 += kc) {
+          const int64_t kcur = std::min(kc, K - k0);
+          const T* panel = wp + (p * K + k0) * kNP;
+          const float* xp = x + m0 * K + k0;
+          int64_t i = 0;
+          for (; i + kMR <= mcur; i += kMR) row_tile<kMR>(xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0);
+          if (i < mcur)
+            tail_tile<kMR - 1>(static_cast<int>(mcur - i), xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0);
+        }
       }
+    }
   });
 }
 
 }  // namespace
 
-// x [M, K] (contiguous rows), w [N, K] contiguous, bias [N] or undefined; all fp32, or all bf16 (products and
-// sums in fp32, the result rounded once). Returns [M, N] in x's dtype.
-at::Tensor linear_small(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_small: x [M, K], w [N, K]");
-  TORCH_CHECK(w.is_contiguous() && x.scalar_type() == w.scalar_type(), "linear_small: contiguous w, same dtype");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == w.size(0), "linear_small: bias [N]");
-  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+int64_t linear_panel_width() { return kNP; }
+
+// w [N, K] (fp32 or bf16) -> the panel layout [ceil(N / kNP), K, kNP], same dtype, zero rows past N.
+at::Tensor pack_linear_weight(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "pack_linear_weight: w [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), P = cdiv(N, kNP);
+  auto padded = at::zeros({P * kNP, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({P, kNP, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K]; wp from pack_linear_weight(w [N, K]) in x's dtype; bias [N] or undefined. Returns [M, N] in x's dtype.
+at::Tensor linear_packed(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == kNP && x.size(1) == wp.size(1),
+              "linear_packed: x [M, K], wp [P, K, ", kNP, "]");
+  TORCH_CHECK(wp.is_contiguous() && x.scalar_type() == wp.scalar_type(), "linear_packed: contiguous wp, same dtype");
+  TORCH_CHECK(n > (wp.size(0) - 1) * kNP && n <= wp.size(0) * kNP, "linear_packed: n does not match the panels");
+  const int64_t M = x.size(0), K = x.size(1);
   auto xf = x.to(at::kFloat).contiguous();
-  auto y = at::empty({M, N}, x.options());
-  dispatch_float(w, [&](auto tag) {
-    using T = decltype(tag);
-    linear_rows<T>(xf.data_ptr<float>(), w.data_ptr<T>(), has_bias ? bias->data_ptr<T>() : nullptr,
-                   y.data_ptr<T>(), M, N, K);
-  });
-  return y;
+  auto y = at::empty({M, n}, x.options().dtype(at::kFloat));
+  if (M > 0) {
+    dispatch_float(wp, [&](auto tag) {
+      using T = decltype(tag);
+      gemm_panels<T>(xf.data_ptr<float>(), wp.data_ptr<T>(), y.data_ptr<float>(), M, n, K);
+    });
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "linear_packed: bias [N]");
+    y.add_(bias->to(at::kFloat));
+  }
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
