@@ -218,13 +218,15 @@ def main(ns: argparse.Namespace) -> int:
             r = run_kvserve(llm, requests, name)
             print(f"{name}: {r.output_tokens_per_s:.1f} output tok/s", file=sys.stderr)
             runs[name].append(r)
+            if stats is None:
+                stats = llm.stats()
             if ns.competing_load:
+                # The same requests again: forget their cached prefixes, which would otherwise make this run cheaper.
+                llm.reset_prefix_cache()
                 with CompetingLoad(ns.competing_load):
                     r = run_kvserve(llm, requests, name + loaded_name)
                 print(f"{r.name}: {r.output_tokens_per_s:.1f} output tok/s", file=sys.stderr)
                 runs[r.name].append(r)
-            if stats is None:
-                stats = llm.stats()
             llm = None  # frees the engine and its KV cache before the next configuration loads
     results = [sorted(runs[name], key=lambda r: r.seconds)[(len(runs[name]) - 1) // 2] for name in names]
 
