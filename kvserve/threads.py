@@ -9,9 +9,10 @@ serving. An explicit count (`--num-threads`, else `KVSERVE_NUM_THREADS`) replace
 exceed the limit. torch's intra-op pool, oneDNN, MKL and kvserve's C++ kernels (at::parallel_for) all run on that
 one OpenMP pool, so `torch.set_num_threads` and `OMP_NUM_THREADS` size all of them.
 
-Idle OpenMP threads wait passively by default (`OMP_WAIT_POLICY`, read by libgomp when torch loads it): spinning
-threads take CPU time from whatever else runs, and a step waits for its slowest thread (docs/benchmarks.md has the
-measurements behind this default). A wait policy or thread count set in the environment is left alone.
+How idle OpenMP threads wait is read by libgomp when torch loads it (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`), so
+kvserve sets its default in the environment first (DEFAULT_WAIT_ENV): spinning threads take CPU time from whatever
+else runs, and a step waits for its slowest thread (docs/benchmarks.md, "Busy machines", has the measurements
+behind the default). Waiting variables set by the user are left alone.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-DEFAULT_WAIT_POLICY = "PASSIVE"
+DEFAULT_WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 # Serving on this many CPUs or more leaves one to the frontend (HTTP, tokenizing, detokenizing, streaming). On
 # fewer, the engine keeps them all: a thread less costs it far more than the frontend's share (docs/benchmarks.md).
 RESERVE_MIN_CPUS = 4
@@ -45,10 +47,9 @@ class ThreadPlan:
 
     def describe(self) -> str:
         bind = ",".join(map(str, self.cpu_bind)) if self.cpu_bind else "off"
-        wait = os.environ.get("OMP_WAIT_POLICY", DEFAULT_WAIT_POLICY).lower()
         return (
             f"threads={self.num_threads} ({self.source}; {self.limit_reason}; reserve={self.reserve}) "
-            f"bind={bind} omp_wait={wait}"
+            f"bind={bind} omp_wait={describe_wait()}"
         )
 
 
@@ -187,16 +188,30 @@ def _cpu_list(cpus: set[int]) -> str:
     return ",".join(map(str, sorted(cpus)))
 
 
+def wait_env() -> dict[str, str]:
+    """How OpenMP threads wait: the user's variables if any is set, else kvserve's default."""
+    user = {name: os.environ[name] for name in _WAIT_VARS if name in os.environ}
+    return user or dict(DEFAULT_WAIT_ENV)
+
+
+def describe_wait() -> str:
+    env = wait_env()
+    policy = env.get("OMP_WAIT_POLICY", "").lower()
+    spin = f"spin={env['GOMP_SPINCOUNT']}" if "GOMP_SPINCOUNT" in env else ""
+    return "+".join(p for p in (policy, spin) if p) or "default"
+
+
 def export_wait_policy() -> None:
-    """The default OpenMP wait policy, for a process that has not loaded torch yet (libgomp reads it then);
-    `kvserve/__init__.py` calls it. A policy the user set is left alone."""
-    os.environ.setdefault("OMP_WAIT_POLICY", DEFAULT_WAIT_POLICY)
+    """The default OpenMP waiting, for a process that has not loaded torch yet (libgomp reads it then);
+    `kvserve/__init__.py` calls it."""
+    for name, value in wait_env().items():
+        os.environ.setdefault(name, value)
 
 
 def engine_env(plan: ThreadPlan) -> dict[str, str]:
     """Environment for an engine process that has not started torch: thread count, wait policy, binding."""
     env = {"OMP_NUM_THREADS": str(plan.num_threads), "MKL_NUM_THREADS": str(plan.num_threads)}
-    env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", DEFAULT_WAIT_POLICY)
+    env.update(wait_env())
     if plan.cpu_bind:
         # One place per thread, in order: thread i runs on cpu_bind[i] (libgomp's pinning, like vLLM's
         # VLLM_CPU_OMP_THREADS_BIND).

@@ -152,7 +152,7 @@ def test_child_env_sets_the_engine_environment_and_restores_ours(fake_machine, m
 def _report_threads(queue) -> None:
     import torch
 
-    queue.put((torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY")))
+    queue.put((torch.get_num_threads(), {k: os.environ[k] for k in threads.DEFAULT_WAIT_ENV}))
 
 
 def test_a_spawned_engine_process_starts_torch_with_the_plan(fake_machine):
@@ -163,20 +163,21 @@ def test_a_spawned_engine_process_starts_torch_with_the_plan(fake_machine):
     with threads.child_env(threads.plan_threads(num_threads=1)):
         proc = ctx.Process(target=_report_threads, args=(queue,))
         proc.start()
-    num_threads, wait_policy = queue.get(timeout=120)
+    num_threads, wait = queue.get(timeout=120)
     proc.join()
     assert num_threads == 1
-    assert wait_policy == os.environ.get("OMP_WAIT_POLICY", threads.DEFAULT_WAIT_POLICY)
+    assert wait == {k: threads.wait_env()[k] for k in threads.DEFAULT_WAIT_ENV}
 
 
-def test_importing_kvserve_sets_the_wait_policy_unless_the_user_did():
-    code = "import os, kvserve; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+def test_importing_kvserve_sets_the_default_waiting_unless_the_user_set_any():
+    code = "import os, kvserve; print({k: os.environ.get(k) for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')})"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == threads.DEFAULT_WAIT_POLICY
+    expected = {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None, **threads.DEFAULT_WAIT_ENV}
+    assert out.stdout.strip() == str(expected)
     env["OMP_WAIT_POLICY"] = "ACTIVE"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "ACTIVE"
+    assert out.stdout.strip() == str({"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": None})
 
 
 def test_kvserve_kernels_run_on_torchs_pool():
