@@ -223,7 +223,7 @@ def startup_summary(dtype: str, num_threads: int, kernels: str) -> str:
 
     info = cpu_info()
     plan = applied_plan()
-    how = f" [{plan.describe()}]" if plan is not None else ""
+    how = f" ({plan.describe()})" if plan is not None else ""
     return (
         f"kvserve platform: {info.model_name or 'unknown CPU'}; {info.describe()}; threads={num_threads}/"
         f"{info.num_cpus} cpus{how}; dtype={dtype}; kernels={kernels}"

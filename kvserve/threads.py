@@ -47,10 +47,7 @@ class ThreadPlan:
 
     def describe(self) -> str:
         bind = ",".join(map(str, self.cpu_bind)) if self.cpu_bind else "off"
-        return (
-            f"threads={self.num_threads} ({self.source}; {self.limit_reason}; reserve={self.reserve}) "
-            f"bind={bind} omp_wait={describe_wait()}"
-        )
+        return f"{self.source}; {self.limit_reason}; reserve={self.reserve}; bind={bind}; omp_wait={describe_wait()}"
 
 
 def affinity_cpus() -> set[int]:

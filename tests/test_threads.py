@@ -133,7 +133,7 @@ def test_cpu_bind_list_and_its_checks(fake_machine):
     assert (plan.num_threads, plan.cpu_bind, plan.reserve) == (2, (2, 3), 0)
     env = threads.engine_env(plan)
     assert env["OMP_PLACES"] == "{2},{3}" and env["OMP_PROC_BIND"] == "close" and env["OMP_NUM_THREADS"] == "2"
-    assert "bind=2,3" in plan.describe()
+    assert "bind=2,3;" in plan.describe()
     with pytest.raises(ValueError, match=r"CPU\(s\) 7 this process may not use; it may use 0,1,2,3"):
         threads.plan_threads(cpu_bind="3,7")
     with pytest.raises(ValueError, match="does not match the 2 CPUs of cpu_bind"):
@@ -209,7 +209,7 @@ def test_apply_sets_torchs_threads_and_the_startup_line_shows_the_plan(fake_mach
         threads.apply_thread_plan(threads.plan_threads(num_threads=1))
         assert torch.get_num_threads() == 1
         line = platform.startup_summary("float32", torch.get_num_threads(), "C++ avx2")
-        assert "threads=1/" in line and "threads=1 (--num-threads; affinity 2 CPUs; reserve=1) bind=off" in line
+        assert "threads=1/2 cpus (--num-threads; affinity 2 CPUs; reserve=1; bind=off; omp_wait=" in line
         assert "omp_wait=" in line
     finally:
         torch.set_num_threads(saved)
