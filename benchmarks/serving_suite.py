@@ -7,7 +7,9 @@
 Parts:
 - shared-prefix: 4 system prompts of 512 tokens, 200 requests (Poisson), kvserve with prefix caching on vs off;
 - long-prompt:   long prompts arriving among short decoding requests, chunked prefill on vs off;
-- peers:         kvserve vs llama.cpp's llama-server (`-np N` slots, same GGUF) at concurrency 1, 16, 32.
+- peers:         kvserve vs llama.cpp's llama-server (`-np N` slots, same GGUF) at concurrency 1, 16, 32;
+                 with --competing-load K each is loaded twice, idle and beside K busy processes, and the
+                 retention (loaded / idle output tok/s) of both is compared.
 Prompts are sent as token ids, so every server sees exactly the same tokens (both accept them on
 /v1/completions). JSON per part goes to --out, PNG plots to --img. llama-server comes from
 benchmarks/peers/setup_llama_server.sh (found in .venv-peers, or set LLAMA_SERVER).
@@ -24,9 +26,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
+from kvserve.benchmarks.competing_load import CompetingLoad
 from kvserve.benchmarks.datasets import DatasetSpec, build_dataset
 from kvserve.benchmarks.plots import plot_latency_distributions
 from kvserve.benchmarks.serve import print_summary, run_load
@@ -161,23 +164,41 @@ def long_prompt(out: Path, img: Path, budget: int) -> dict:
     return {"itl_p99_ratio": ratio, "budget": budget, "runs": {k: asdict(v) for k, v in summaries.items()}}
 
 
-def peers(out: Path, img: Path, concurrencies: list[int]) -> dict:
+def peers(out: Path, img: Path, concurrencies: list[int], competing_load: int = 0) -> dict:
     # Prompts 40-200 tokens, 32-128 output tokens (the workload behind MACHINE-FACTS' llama-server figures).
     table = {}
+    engines = ("kvserve", "llama-server")
     for c in concurrencies:
         spec = DatasetSpec("random", num_requests=max(12, 4 * c), seed=c, input_len=(40, 200), output_len=(32, 128))
         requests = build_dataset(spec, VOCAB)
+        # Under load, other prompts of the same shape: the servers' prefix caches still hold the first ones.
+        loaded_requests = build_dataset(replace(spec, seed=c + 1000), VOCAB)
         runs = {}
-        for engine in ("kvserve", "llama-server"):
+        row = table.setdefault(c, {})
+        for engine in engines:
             server = kvserve_server(out, f"peers-c{c}") if engine == "kvserve" else llama_server(out, c)
             with server:
                 warm_up()
                 summary, runs[engine] = load(requests, float("inf"), c, f"{engine}, concurrency {c}")
-            table.setdefault(c, {})[engine] = asdict(summary)
-        k, ll = table[c]["kvserve"], table[c]["llama-server"]
-        ratio = k["output_throughput"] / ll["output_throughput"]
-        table[c]["ratio_output_throughput"] = ratio
+                row[engine] = asdict(summary)
+                if competing_load:
+                    # The same server and requests beside K busy processes.
+                    with CompetingLoad(competing_load):
+                        label = f"{engine}, concurrency {c}, competing load {competing_load}"
+                        loaded, _ = load(loaded_requests, float("inf"), c, label)
+                    row[f"{engine} loaded"] = asdict(loaded)
+                    row[f"{engine} retention"] = loaded.output_throughput / summary.output_throughput
+        ratio = row["kvserve"]["output_throughput"] / row["llama-server"]["output_throughput"]
+        row["ratio_output_throughput"] = ratio
         print(f"concurrency {c}: kvserve / llama-server = {ratio:.2f}x output tok/s")
+        if competing_load:
+            row["competing_load"] = competing_load
+            keep = {e: row[f"{e} retention"] for e in engines}
+            loaded_ratio = row["kvserve loaded"]["output_throughput"] / row["llama-server loaded"]["output_throughput"]
+            print(
+                f"concurrency {c}, {competing_load} busy process(es): kvserve keeps {keep['kvserve']:.1%} of its idle "
+                f"output tok/s, llama-server {keep['llama-server']:.1%}; kvserve / llama-server = {loaded_ratio:.2f}x"
+            )
         plot_latency_distributions(runs, str(img / f"peers-c{c}.png"), f"kvserve vs llama-server, concurrency {c}")
     return table
 
@@ -189,6 +210,13 @@ def main() -> int:
     p.add_argument("--img", default=str(ROOT / "docs" / "img"))
     p.add_argument("--chunk-budget", type=int, default=512, help="long-prompt: token budget with chunking")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32])
+    p.add_argument(
+        "--competing-load",
+        type=int,
+        default=0,
+        metavar="K",
+        help="peers: also load each server beside K busy processes (one CPU each) and compare the retention",
+    )
     ns = p.parse_args()
     out, img = Path(ns.out), Path(ns.img)
     out.mkdir(parents=True, exist_ok=True)
@@ -199,7 +227,7 @@ def main() -> int:
         elif part == "long-prompt":
             result = long_prompt(out, img, ns.chunk_budget)
         elif part == "peers":
-            result = peers(out, img, ns.concurrency)
+            result = peers(out, img, ns.concurrency, ns.competing_load)
         else:
             raise SystemExit(f"unknown part {part!r}")
         with open(out / f"serving-{part}.json", "w") as f:

@@ -10,9 +10,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvserve.platform import export_torch_isa_caps
+from kvserve.threads import export_wait_policy
 
-# Before anything imports torch: a forced KVSERVE_CPU_ISA caps torch's kernels too (kvserve/platform.py).
+# Before anything imports torch: a forced KVSERVE_CPU_ISA caps torch's kernels too (kvserve/platform.py), and
+# idle OpenMP threads wait without spinning (kvserve/threads.py).
 export_torch_isa_caps()
+export_wait_policy()
 
 __version__ = "0.1.0"
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.threads import ThreadPlan
+
 
 @dataclass(frozen=True)
 class ArchConfig:
@@ -70,3 +72,4 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    threads: ThreadPlan | None = None  # None: the automatic plan, decided when the engine starts

@@ -216,9 +216,15 @@ def platform_record(dtype: str, num_threads: int) -> dict:
 
 
 def startup_summary(dtype: str, num_threads: int, kernels: str) -> str:
-    """The one line kvserve logs when an engine starts: CPU, ISA level, threads, dtype and kernels in use."""
+    """The one line kvserve logs when an engine starts: CPU, ISA level, threads (and, once an engine has applied
+    its thread plan, where the count comes from, the frontend's reserve, binding and OpenMP wait policy), dtype and
+    kernels in use."""
+    from kvserve.threads import applied_plan
+
     info = cpu_info()
+    plan = applied_plan()
+    how = f" ({plan.describe()})" if plan is not None else ""
     return (
         f"kvserve platform: {info.model_name or 'unknown CPU'}; {info.describe()}; threads={num_threads}/"
-        f"{info.num_cpus} cpus; dtype={dtype}; kernels={kernels}"
+        f"{info.num_cpus} cpus{how}; dtype={dtype}; kernels={kernels}"
     )

@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
+from kvserve.benchmarks.competing_load import CompetingLoad
 from kvserve.benchmarks.datasets import DATASETS, BenchRequest, DatasetSpec, build_dataset
 from kvserve.engine.arg_utils import EngineArgs, add_cli_args
 from kvserve.platform import platform_record, startup_summary
@@ -192,12 +193,17 @@ def main(ns: argparse.Namespace) -> int:
 
     # kvserve as configured, then once per --ablate with that feature off. --repeat runs the configurations in
     # ABBA order (drift of the machine hits them alike) and reports each one's median run (the lower middle one
-    # for an even count); every run is in the JSON.
+    # for an even count); every run is in the JSON. --competing-load K times each run twice on the same engine:
+    # idle, then beside K busy processes ("<name> (load K)").
     configs = [("kvserve", args)]
     for feature in ns.ablate:
         field = "enable_" + feature.replace("-", "_")
         configs.append((f"kvserve ({feature} off)", replace(args, **{field: False})))
-    runs: dict[str, list[ThroughputResult]] = {name: [] for name, _ in configs}
+    loaded_name = f" (load {ns.competing_load})"
+    names = [name for name, _ in configs]
+    if ns.competing_load:
+        names += [name + loaded_name for name, _ in configs]
+    runs: dict[str, list[ThroughputResult]] = {name: [] for name in names}
     stats = None
     for rep in range(ns.repeat):
         for name, cfg in configs if rep % 2 == 0 else configs[::-1]:
@@ -214,8 +220,15 @@ def main(ns: argparse.Namespace) -> int:
             runs[name].append(r)
             if stats is None:
                 stats = llm.stats()
+            if ns.competing_load:
+                # The same requests again: forget their cached prefixes, which would otherwise make this run cheaper.
+                llm.reset_prefix_cache()
+                with CompetingLoad(ns.competing_load):
+                    r = run_kvserve(llm, requests, name + loaded_name)
+                print(f"{r.name}: {r.output_tokens_per_s:.1f} output tok/s", file=sys.stderr)
+                runs[r.name].append(r)
             llm = None  # frees the engine and its KV cache before the next configuration loads
-    results = [sorted(runs[name], key=lambda r: r.seconds)[(len(runs[name]) - 1) // 2] for name, _ in configs]
+    results = [sorted(runs[name], key=lambda r: r.seconds)[(len(runs[name]) - 1) // 2] for name in names]
 
     if ns.hf_batch_sizes:
         hf = load_hf_model(resolve_model_path(ns.model), dtype)
@@ -249,8 +262,17 @@ def print_results(results: list[ThroughputResult]) -> None:
             f"{r.name:<30}{r.requests_per_s:>8.2f}{r.output_tokens_per_s:>14.1f}{r.total_tokens_per_s:>13.1f}"
             f"{r.seconds:>10.1f}"
         )
+    by_name = {r.name: r for r in results}
+    for r in results:
+        idle = by_name.get(r.name.split(" (load ")[0]) if " (load " in r.name else None
+        if idle is not None:
+            keep = r.output_tokens_per_s / idle.output_tokens_per_s
+            print(
+                f"retention {r.name}: {keep:.1%} of idle ({idle.output_tokens_per_s:.1f} -> "
+                f"{r.output_tokens_per_s:.1f} output tok/s)"
+            )
     for r in results[1:]:
-        if r.name.startswith("kvserve ("):
+        if r.name.startswith("kvserve (") and " (load " not in r.name:
             ratio = results[0].output_tokens_per_s / r.output_tokens_per_s
             print(f"kvserve / {r.name}: {ratio:.3f}x output tok/s ({(ratio - 1) * 100:+.1f}%)")
     hf = [r for r in results if r.name.startswith("hf-")]
@@ -278,6 +300,13 @@ def add_parser(sub) -> None:
         nargs="*",
         default=[],
         help="also run kvserve with this feature off, in the same run",
+    )
+    p.add_argument(
+        "--competing-load",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also time each run beside K busy processes (one CPU each) and print the retention vs idle",
     )
     p.add_argument("--repeat", type=int, default=1, help="kvserve runs per configuration (ABBA order); median counts")
     p.add_argument("--json", default=None, help="write results to this file")

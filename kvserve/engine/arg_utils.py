@@ -11,6 +11,7 @@ from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_confi
 from kvserve.loader.default_model import find_gguf, resolve_model_path
 from kvserve.loader.gguf_weights import gguf_arch_config
 from kvserve.platform import cpu_info, default_dtype
+from kvserve.threads import plan_threads
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class EngineArgs:
     enable_chunked_prefill / enable_prefix_caching. block_size: tokens per KV block. kv_cache_memory: KV budget in
     bytes (None: 40% of free RAM, at most 4 GiB). num_kv_blocks: exact KV block count (overrides the memory).
     kv_prefault: fault the KV pool in at start-up: "off", "sync" or "background".
+    num_threads / cpu_bind: compute threads (None: KVSERVE_NUM_THREADS, else the CPUs free to this process) and an
+    optional CPU list to pin them to, e.g. "0-3" (kvserve/threads.py).
     """
 
     model: str | None = None  # None: the embedded default model
@@ -77,6 +80,8 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes
     num_kv_blocks: int | None = None
     kv_prefault: str = "off"  # "off" | "sync" | "background"; `kvserve serve` defaults to background
+    num_threads: int | None = None
+    cpu_bind: str | None = None  # e.g. "0-3" or "0,2"
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -84,7 +89,9 @@ class EngineArgs:
         values = {f.name: getattr(ns, f.name) for f in fields(cls)}
         return cls(**{name: v for name, v in values.items() if v is not None})
 
-    def create_engine_config(self) -> EngineConfig:
+    def create_engine_config(self, serving: bool = False) -> EngineConfig:
+        """`serving`: the engine runs beside an API server, which may get a CPU of its own (kvserve/threads.py)."""
+        threads = plan_threads(self.num_threads, self.cpu_bind, serving)  # first: bad counts fail before loading
         path = resolve_model_path(self.model)
         gguf_path = find_gguf(path)
         sliding_window = None
@@ -152,7 +159,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler)
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler, threads=threads)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -201,6 +208,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="fault the KV pool's memory in at start-up: before the engine is ready (sync), from a background "
         "thread, or on first use (off); default: background for serve, off otherwise",
     )
+    g.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="compute threads (default: KVSERVE_NUM_THREADS, else the CPUs this process may use, by affinity and "
+        "cgroup quota, less one for the frontend when serving on 4+ CPUs)",
+    )
+    g.add_argument("--cpu-bind", default=None, help="pin the compute threads to these CPUs, e.g. 0-3 (default: off)")
 
 
 def _bytes(text: str) -> int:

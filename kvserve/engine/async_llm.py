@@ -81,7 +81,7 @@ class AsyncLLM:
 
     @classmethod
     async def create(cls, args: EngineArgs, model_name: str | None = None) -> AsyncLLM:
-        config = args.create_engine_config()
+        config = args.create_engine_config(serving=True)
         llm = cls(config, model_name or config.model.model)
         await llm.start()
         return llm

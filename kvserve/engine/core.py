@@ -11,6 +11,7 @@ from kvserve.engine.messages import CoreStats
 from kvserve.outputs import EngineCoreOutput
 from kvserve.profiling import StepTimer
 from kvserve.request import EngineCoreRequest, Request, RequestStatus
+from kvserve.threads import apply_thread_plan, plan_threads
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -19,6 +20,8 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Before the model loads: its weight packing and every step run on the plan's threads.
+        apply_thread_plan(config.threads or plan_threads())
         self.timer = StepTimer()  # enable to account step time by phase (benchmarks)
         self.runner = ModelRunner(config.model, config.cache, config.scheduler, self.timer)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)

@@ -25,6 +25,7 @@ from kvserve.engine.messages import (
     from_core_decoder,
 )
 from kvserve.request import EngineCoreRequest
+from kvserve.threads import child_env, plan_threads
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,9 @@ class AsyncMPClient:
             name="kvserve-engine-core",
             daemon=True,
         )
-        self.proc.start()
+        # The core's torch reads its thread count and OpenMP wait policy from the environment it starts with.
+        with child_env(config.threads or plan_threads(serving=True)):
+            self.proc.start()
         self._death_callbacks: list[Callable[[], None]] = []
         self.dead = False
 

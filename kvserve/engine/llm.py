@@ -31,7 +31,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         """`model` and the keywords are EngineArgs fields (tokenizer, dtype, seed, max_model_len, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, block_size, kv_cache_memory,
-        num_kv_blocks, kv_prefault); EngineArgs documents each. An unknown keyword raises TypeError."""
+        num_kv_blocks, kv_prefault, num_threads, cpu_bind); EngineArgs documents each. An unknown keyword raises
+        TypeError."""
         options = {f.name for f in fields(EngineArgs)}
         unknown = sorted(set(engine_kwargs) - options)
         if unknown:
