@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import dataclass, fields
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
 from kvserve.loader.default_model import find_gguf, resolve_model_path
 from kvserve.loader.gguf_weights import gguf_arch_config
@@ -61,7 +62,8 @@ class EngineArgs:
     once. max_num_batched_tokens: token budget per step (None: 2048, or max_model_len without chunked prefill).
     enable_chunked_prefill / enable_prefix_caching. block_size: tokens per KV block. kv_cache_memory: KV budget in
     bytes (None: 40% of free RAM, at most 4 GiB). num_kv_blocks: exact KV block count (overrides the memory).
-    kv_prefault: fault the KV pool in at start-up: "off", "sync" or "background".
+    kv_prefault: fault the KV pool in at start-up: "off", "sync" or "background". speculative_config: a dict
+    (or its JSON) with vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens": 4} (config.SpeculativeConfig).
     """
 
     model: str | None = None  # None: the embedded default model
@@ -77,6 +79,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes
     num_kv_blocks: int | None = None
     kv_prefault: str = "off"  # "off" | "sync" | "background"; `kvserve serve` defaults to background
+    speculative_config: dict | str | None = None
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -152,7 +155,16 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler)
+        spec = self.speculative_config
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if spec is not None and not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(spec).__name__}")
+        speculative = SpeculativeConfig.from_dict(spec) if spec else None
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler, speculative=speculative)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -200,6 +212,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fault the KV pool's memory in at start-up: before the engine is ready (sync), from a background "
         "thread, or on first use (off); default: background for serve, off otherwise",
+    )
+
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
 
 
