@@ -183,7 +183,7 @@ def main(ns: argparse.Namespace) -> int:
     dtype = llm.engine.config.model.dtype
     print(platform_line(dtype))
     vocab = llm.engine.config.model.arch.vocab_size
-    requests = build_dataset(dataset_spec(ns), vocab)
+    requests = build_dataset(dataset_spec(ns), vocab, llm.get_tokenizer() if ns.dataset == "copy" else None)
     print(
         f"{ns.dataset}: {len(requests)} requests, {sum(r.prompt_len for r in requests)} prompt + "
         f"{sum(r.output_len for r in requests)} output tokens",
@@ -195,10 +195,13 @@ def main(ns: argparse.Namespace) -> int:
     # for an even count); every run is in the JSON.
     configs = [("kvserve", args)]
     for feature in ns.ablate:
+        if feature == "speculative":
+            configs.append(("kvserve (speculative off)", replace(args, speculative_config=None)))
+            continue
         field = "enable_" + feature.replace("-", "_")
         configs.append((f"kvserve ({feature} off)", replace(args, **{field: False})))
     runs: dict[str, list[ThroughputResult]] = {name: [] for name, _ in configs}
-    stats = None
+    stats: dict[str, dict] = {}
     for rep in range(ns.repeat):
         for name, cfg in configs if rep % 2 == 0 else configs[::-1]:
             if llm is None:
@@ -208,12 +211,15 @@ def main(ns: argparse.Namespace) -> int:
             llm.engine.engine_core.runner.prefault_kv_cache()
             # Warm-up outside the timing: allocator, oneDNN kernel selection.
             warm = DatasetSpec("random", num_requests=8, seed=ns.seed + 1, input_len=(64, 128), output_len=(8, 16))
-            run_kvserve(llm, build_dataset(warm, vocab), "warmup")
-            r = run_kvserve(llm, requests, name)
+            run_kvserve(llm, build_dataset(warm, vocab), "warmup", ns.temperature)
+            before = llm.stats().get("spec_decoding")
+            r = run_kvserve(llm, requests, name, ns.temperature)
             print(f"{name}: {r.output_tokens_per_s:.1f} output tok/s", file=sys.stderr)
             runs[name].append(r)
-            if stats is None:
-                stats = llm.stats()
+            if name not in stats:
+                stats[name] = llm.stats()
+                if before is not None:
+                    stats[name]["spec_decoding_this_run"] = _spec_delta(before, stats[name]["spec_decoding"])
             llm = None  # frees the engine and its KV cache before the next configuration loads
     results = [sorted(runs[name], key=lambda r: r.seconds)[(len(runs[name]) - 1) // 2] for name, _ in configs]
 
@@ -226,6 +232,14 @@ def main(ns: argparse.Namespace) -> int:
             results.append(r)
 
     print_results(results)
+    for name, st in stats.items():
+        spec = st.get("spec_decoding_this_run")
+        if spec is not None:
+            print(
+                f"{name}: speculation acceptance rate {spec['acceptance_rate']:.3f}, mean acceptance length "
+                f"{spec['mean_acceptance_length']:.2f} ({spec['num_draft_tokens']} draft tokens in "
+                f"{spec['num_drafts']} drafts)"
+            )
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(
@@ -234,12 +248,22 @@ def main(ns: argparse.Namespace) -> int:
                     "dataset": asdict(dataset_spec(ns)),
                     "results": [r.to_dict() for r in results],
                     "kvserve_runs": {name: [r.to_dict() for r in rs] for name, rs in runs.items()},
-                    "kvserve_stats": stats,
+                    "kvserve_stats": stats.get(configs[0][0]),
+                    "kvserve_stats_by_config": stats,
                 },
                 f,
                 indent=2,
             )
     return 0
+
+
+def _spec_delta(before: dict, after: dict) -> dict:
+    """The speculation counters of one run (the warm-up's subtracted)."""
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    d = {k: after[k] - before[k] for k in keys}
+    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
+    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
+    return d
 
 
 def print_results(results: list[ThroughputResult]) -> None:
@@ -274,11 +298,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--ablate",
-        choices=["prefix-caching", "chunked-prefill"],
+        choices=["prefix-caching", "chunked-prefill", "speculative"],
         nargs="*",
         default=[],
         help="also run kvserve with this feature off, in the same run",
     )
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of every request (0: greedy)")
     p.add_argument("--repeat", type=int, default=1, help="kvserve runs per configuration (ABBA order); median counts")
     p.add_argument("--json", default=None, help="write results to this file")
     add_cli_args(p)
