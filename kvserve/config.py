@@ -68,8 +68,55 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` keys). Built by `SpeculativeConfig.from_dict`."""
+
+    method: str  # "ngram" (draft_model and eagle are not implemented yet)
+    num_speculative_tokens: int  # K: most draft tokens per request and step
+    prompt_lookup_min: int = 2  # n-gram: shortest suffix to match
+    prompt_lookup_max: int = 4  # n-gram: longest suffix to match (tried first)
+    # Speculate only while at most this many requests run (vLLM's name); None: no limit.
+    disable_by_batch_size: int | None = None
+    # The measured rule of kvserve.core.spec_decode: fewer drafts per step as the batch grows, none for
+    # requests whose drafts keep being rejected.
+    adaptive: bool = True
+
+    _METHODS = ("ngram", "draft_model", "eagle")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpeculativeConfig:
+        d = dict(d)
+        unknown = sorted(set(d) - {f for f in cls.__dataclass_fields__ if not f.startswith("_")} - {"model"})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}")
+        method = d.get("method") or ("ngram" if "prompt_lookup_max" in d or "prompt_lookup_min" in d else None)
+        if method not in cls._METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(cls._METHODS)}, got {method!r}")
+        if method != "ngram":
+            raise ValueError(f"speculative_config: method {method!r} is not implemented yet (use 'ngram')")
+        d.pop("model", None)
+        d["method"] = method
+        k = d.get("num_speculative_tokens")
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        # As in vLLM, one of the two lookup bounds alone sets both.
+        if "prompt_lookup_min" in d and "prompt_lookup_max" not in d:
+            d["prompt_lookup_max"] = d["prompt_lookup_min"]
+        elif "prompt_lookup_max" in d and "prompt_lookup_min" not in d:
+            d["prompt_lookup_min"] = min(cls.prompt_lookup_min, d["prompt_lookup_max"])
+        config = cls(**d)
+        if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{config.prompt_lookup_min} and {config.prompt_lookup_max}"
+            )
+        return config
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     threads: ThreadPlan | None = None  # None: the automatic plan, decided when the engine starts
+    speculative: SpeculativeConfig | None = None

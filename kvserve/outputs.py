@@ -25,6 +25,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per request, per sampled token: (token ids, logprobs, rank of the sampled token); None when not asked.
     logprobs: list[list[tuple[list[int], list[float], int]] | None] | None = None
+    # Speculative decoding: per request, the drafts proposed for its next step (None when speculation is off).
+    spec_token_ids: list[list[int]] | None = None
 
 
 @dataclass

@@ -74,6 +74,10 @@ class Request:
         self.num_cached_tokens = -1
         self.first_scheduled_time: float | None = None
         self.has_reported = False  # whether an EngineCoreOutput went out for it yet
+        # Speculative decoding: drafts the runner proposed for the next step (not part of all_token_ids), and
+        # the moving average of the fraction of drafts accepted (starts optimistic).
+        self.spec_token_ids: list[int] = []
+        self.spec_acceptance_ema = 1.0
 
         self.block_size = block_size
         salt = self.sampling_params.cache_salt

@@ -41,6 +41,12 @@ TINY_MODELS = {
             },
         ),
     ),
+    # HF's small default init: the residual stream is dominated by the current token's embedding, so greedy
+    # outputs fall into short loops, which n-gram speculation predicts (tests/engine/test_spec_decode.py).
+    "llama-loops": (
+        "LlamaConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, initializer_range=0.05),
+    ),
     "mistral-gqa": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
     "qwen2-bias-tied": (
         "Qwen2Config",

@@ -4,6 +4,8 @@
 - shared-prefix: a few long system prompts shared by many requests, each with a unique suffix (the chatbot case).
 - multi-turn:    conversations whose every turn resends the whole history (prefix reuse across turns).
 - long-prompt:   a few very long prompts arriving among many short requests that decode for long (chunked prefill).
+- copy:          "repeat / edit this code" chat prompts over snippets of kvserve's own source files (local text),
+                 the copy-heavy case that speculative decoding with prompt lookup speeds up; needs a tokenizer.
 
 Prompts are token ids (offline) or the text they decode to (serving, so any OpenAI endpoint can take them).
 Random tokens come from the middle of the vocabulary, away from special tokens.
@@ -38,12 +40,16 @@ class DatasetSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-DATASETS = ("random", "shared-prefix", "multi-turn", "long-prompt")
+DATASETS = ("random", "shared-prefix", "multi-turn", "long-prompt", "copy")
 
 
 def build_dataset(spec: DatasetSpec, vocab_size: int, tokenizer=None) -> list[BenchRequest]:
     """`tokenizer` (optional) adds prompt texts for serving benchmarks."""
     rng = random.Random(spec.seed)
+    if spec.name == "copy":
+        if tokenizer is None:
+            raise ValueError("the copy dataset needs a tokenizer")
+        return _copy(spec, rng, tokenizer)
     builders = {
         "random": _random,
         "shared-prefix": _shared_prefix,
@@ -125,3 +131,32 @@ def _long_prompt(spec: DatasetSpec, rng: random.Random, src: _TokenSource) -> li
     for i, req in enumerate(longs):
         out.insert(len(shorts) // 2 + i * max(1, len(shorts) // (2 * max(1, num_long))), req)
     return out
+
+
+_COPY_INSTRUCTIONS = (
+    "Repeat this code exactly, without any comment:",
+    "Rewrite this code with the same content, changing nothing:",
+    "Copy the following text verbatim:",
+)
+
+
+def _copy(spec: DatasetSpec, rng: random.Random, tokenizer) -> list[BenchRequest]:
+    """A snippet of input_len tokens (about) from a source file of this package, wrapped in a chat prompt asking
+    to repeat it; output_len is capped by the snippet's own length (plus a few tokens of reply framing)."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    texts = [p.read_text() for p in sorted(root.rglob("*.py")) if p.stat().st_size > 2000]
+    requests = []
+    for _ in range(spec.num_requests):
+        text = texts[rng.randrange(len(texts))]
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        want = rng.randint(*spec.input_len)
+        start = rng.randrange(max(1, len(ids) - want))
+        snippet = tokenizer.decode(ids[start : start + want])
+        messages = [{"role": "user", "content": f"{rng.choice(_COPY_INSTRUCTIONS)}\n\n{snippet}"}]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        output_len = min(rng.randint(*spec.output_len), len(ids[start : start + want]) + 8)
+        requests.append(BenchRequest(prompt_ids, output_len, tag="copy", prompt_text=prompt))
+    return requests

@@ -184,7 +184,7 @@ def main(ns: argparse.Namespace) -> int:
     dtype = llm.engine.config.model.dtype
     print(platform_line(dtype))
     vocab = llm.engine.config.model.arch.vocab_size
-    requests = build_dataset(dataset_spec(ns), vocab)
+    requests = build_dataset(dataset_spec(ns), vocab, llm.get_tokenizer() if ns.dataset == "copy" else None)
     print(
         f"{ns.dataset}: {len(requests)} requests, {sum(r.prompt_len for r in requests)} prompt + "
         f"{sum(r.output_len for r in requests)} output tokens",
@@ -197,6 +197,9 @@ def main(ns: argparse.Namespace) -> int:
     # idle, then beside K busy processes ("<name> (load K)").
     configs = [("kvserve", args)]
     for feature in ns.ablate:
+        if feature == "speculative":
+            configs.append(("kvserve (speculative off)", replace(args, speculative_config=None)))
+            continue
         field = "enable_" + feature.replace("-", "_")
         configs.append((f"kvserve ({feature} off)", replace(args, **{field: False})))
     loaded_name = f" (load {ns.competing_load})"
@@ -204,7 +207,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.competing_load:
         names += [name + loaded_name for name, _ in configs]
     runs: dict[str, list[ThroughputResult]] = {name: [] for name in names}
-    stats = None
+    stats: dict[str, dict] = {}
     for rep in range(ns.repeat):
         for name, cfg in configs if rep % 2 == 0 else configs[::-1]:
             if llm is None:
@@ -214,17 +217,20 @@ def main(ns: argparse.Namespace) -> int:
             llm.engine.engine_core.runner.prefault_kv_cache()
             # Warm-up outside the timing: allocator, oneDNN kernel selection.
             warm = DatasetSpec("random", num_requests=8, seed=ns.seed + 1, input_len=(64, 128), output_len=(8, 16))
-            run_kvserve(llm, build_dataset(warm, vocab), "warmup")
-            r = run_kvserve(llm, requests, name)
+            run_kvserve(llm, build_dataset(warm, vocab), "warmup", ns.temperature)
+            before = llm.stats().get("spec_decoding")
+            r = run_kvserve(llm, requests, name, ns.temperature)
             print(f"{name}: {r.output_tokens_per_s:.1f} output tok/s", file=sys.stderr)
             runs[name].append(r)
-            if stats is None:
-                stats = llm.stats()
+            if name not in stats:
+                stats[name] = llm.stats()
+                if before is not None:
+                    stats[name]["spec_decoding_this_run"] = _spec_delta(before, stats[name]["spec_decoding"])
             if ns.competing_load:
                 # The same requests again: forget their cached prefixes, which would otherwise make this run cheaper.
                 llm.reset_prefix_cache()
                 with CompetingLoad(ns.competing_load):
-                    r = run_kvserve(llm, requests, name + loaded_name)
+                    r = run_kvserve(llm, requests, name + loaded_name, ns.temperature)
                 print(f"{r.name}: {r.output_tokens_per_s:.1f} output tok/s", file=sys.stderr)
                 runs[r.name].append(r)
             llm = None  # frees the engine and its KV cache before the next configuration loads
@@ -239,6 +245,14 @@ def main(ns: argparse.Namespace) -> int:
             results.append(r)
 
     print_results(results)
+    for name, st in stats.items():
+        spec = st.get("spec_decoding_this_run")
+        if spec is not None:
+            print(
+                f"{name}: speculation acceptance rate {spec['acceptance_rate']:.3f}, mean acceptance length "
+                f"{spec['mean_acceptance_length']:.2f} ({spec['num_draft_tokens']} draft tokens in "
+                f"{spec['num_drafts']} drafts)"
+            )
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(
@@ -247,12 +261,22 @@ def main(ns: argparse.Namespace) -> int:
                     "dataset": asdict(dataset_spec(ns)),
                     "results": [r.to_dict() for r in results],
                     "kvserve_runs": {name: [r.to_dict() for r in rs] for name, rs in runs.items()},
-                    "kvserve_stats": stats,
+                    "kvserve_stats": stats.get(configs[0][0]),
+                    "kvserve_stats_by_config": stats,
                 },
                 f,
                 indent=2,
             )
     return 0
+
+
+def _spec_delta(before: dict, after: dict) -> dict:
+    """The speculation counters of one run (the warm-up's subtracted)."""
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    d = {k: after[k] - before[k] for k in keys}
+    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
+    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
+    return d
 
 
 def print_results(results: list[ThroughputResult]) -> None:
@@ -296,7 +320,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--ablate",
-        choices=["prefix-caching", "chunked-prefill"],
+        choices=["prefix-caching", "chunked-prefill", "speculative"],
         nargs="*",
         default=[],
         help="also run kvserve with this feature off, in the same run",
@@ -308,6 +332,7 @@ def add_parser(sub) -> None:
         metavar="K",
         help="also time each run beside K busy processes (one CPU each) and print the retention vs idle",
     )
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of every request (0: greedy)")
     p.add_argument("--repeat", type=int, default=1, help="kvserve runs per configuration (ABBA order); median counts")
     p.add_argument("--json", default=None, help="write results to this file")
     add_cli_args(p)

@@ -40,6 +40,9 @@ class SchedulerOutput:
     # Requests the runner must forget before this step: finished, aborted or preempted since the last one. A
     # preempted request comes back later as a new request (NewRequestData) with its output tokens so far.
     finished_req_ids: set[str] = field(default_factory=set)
+    # req_id -> draft tokens to verify this step (they follow the request's known tokens; counted in
+    # num_scheduled_tokens).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -7,6 +7,12 @@ Running requests go first, in admission order; then waiting requests in FCFS ord
 `max_num_seqs` and the block pool allow. When a running request cannot get a block, the most recently
 admitted running request is preempted by recompute: its blocks are freed and it goes back to the front of the
 waiting queue, to be resumed later with the tokens it already generated.
+
+Speculative decoding fits the same rule: a decoding request that carries k draft tokens (proposed by the runner
+after its last step) is scheduled 1 + k tokens, and its KV slots are allocated for all of them. Only tokens in
+`all_token_ids` are ever hashed, so blocks holding drafts enter the prefix cache only once accepted tokens fill
+them. After verification the computed count moves back by the number of rejected drafts; their slots are
+overwritten by later steps.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvserve.core.spec_decode import SpecDecodePolicy, SpecDecodingStats
 from kvserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from kvserve.request import Request, RequestStatus
 
@@ -34,7 +41,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        spec_config: SpeculativeConfig | None = None,
+    ) -> None:
         self.config = config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -44,6 +57,9 @@ class Scheduler:
         # Ids the runner still holds state for but must drop at the next step.
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_config = spec_config
+        self.spec_policy = SpecDecodePolicy(spec_config) if spec_config is not None else None
+        self.spec_stats = SpecDecodingStats()
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -95,14 +111,17 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        num_drafts = self._plan_drafts()
+        scheduled_spec: dict[str, list[int]] = {}
 
         # 1) Running requests, oldest first. Victims of preemption are taken from the end of `running`, which
         #    holds only requests not yet scheduled in this step, so nothing scheduled is ever taken back.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            num_known = request.num_tokens - request.num_computed_tokens
+            assert num_known > 0, f"running request {request.request_id} has nothing to compute"
+            num_new = min(num_known + num_drafts.get(request.request_id, 0), budget)
             while (new_block_ids := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -113,6 +132,9 @@ class Scheduler:
                 break
             cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
             num_scheduled[request.request_id] = num_new
+            if num_new > num_known:
+                scheduled_spec[request.request_id] = request.spec_token_ids[: num_new - num_known]
+            request.spec_token_ids = []
             budget -= num_new
             i += 1
 
@@ -164,7 +186,25 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
+            scheduled_spec_decode_tokens=scheduled_spec,
         )
+
+    def _plan_drafts(self) -> dict[str, int]:
+        """How many of its proposed drafts each decoding request verifies this step (the adaptive rule)."""
+        policy = self.spec_policy
+        if policy is None:
+            return {}
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        budget = policy.draft_token_budget(len(decodes))
+        plan: dict[str, int] = {}
+        for request in sorted(decodes, key=lambda r: -r.spec_acceptance_ema):
+            if budget <= 0:
+                break
+            if request.spec_token_ids:
+                n = min(len(request.spec_token_ids), policy.limit(request.spec_acceptance_ema), budget)
+                plan[request.request_id] = n
+                budget -= n
+        return plan
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -172,6 +212,7 @@ class Scheduler:
         """Append sampled tokens, apply stop rules (max_tokens, max_model_len, EOS, stop ids), free finished."""
         outputs: list[EngineCoreOutput] = []
         logprobs = runner_output.logprobs
+        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         for idx, req_id in enumerate(runner_output.req_ids):
             token_ids = runner_output.sampled_token_ids[idx]
             if not token_ids:
@@ -179,6 +220,12 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
+            drafts = spec_scheduled.get(req_id)
+            if drafts:
+                num_accepted = len(token_ids) - 1
+                # The rejected drafts' KV slots are garbage now; later steps overwrite them.
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self._record_drafts(request, len(drafts), num_accepted)
             new_token_ids: list[int] = []
             for token_id in token_ids:
                 request.append_output_token_id(token_id)
@@ -199,6 +246,8 @@ class Scheduler:
                 output.stop_reason = request.stop_reason
                 self.running.remove(request)
                 self._free_request(request)
+            elif runner_output.spec_token_ids is not None and self.spec_config is not None:
+                request.spec_token_ids = runner_output.spec_token_ids[idx][: self._max_drafts(request)]
             outputs.append(output)
         return outputs
 
@@ -221,10 +270,22 @@ class Scheduler:
 
     # ---------------------------------------------------------------- helpers
 
+    def _max_drafts(self, request: Request) -> int:
+        """Drafts that fit: 1 + k tokens are emitted at most, within max_tokens and max_model_len."""
+        assert self.spec_config is not None
+        room = min(request.max_tokens - request.num_output_tokens - 1, self.config.max_model_len - request.num_tokens)
+        return max(0, min(self.spec_config.num_speculative_tokens, room))
+
+    def _record_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        self.spec_stats.observe(num_drafts, num_accepted)
+        assert self.spec_policy is not None
+        request.spec_acceptance_ema = self.spec_policy.update_ema(request.spec_acceptance_ema, num_drafts, num_accepted)
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

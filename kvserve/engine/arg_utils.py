@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import dataclass, fields
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
 from kvserve.loader.default_model import find_gguf, resolve_model_path
 from kvserve.loader.gguf_weights import gguf_arch_config
@@ -65,6 +66,8 @@ class EngineArgs:
     kv_prefault: fault the KV pool in at start-up: "off", "sync" or "background".
     num_threads / cpu_bind: compute threads (None: KVSERVE_NUM_THREADS, else the CPUs free to this process) and an
     optional CPU list to pin them to, e.g. "0-3" (kvserve/threads.py).
+    speculative_config: a dict (or its JSON) with vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens":
+    4} (config.SpeculativeConfig).
     """
 
     model: str | None = None  # None: the embedded default model
@@ -82,6 +85,7 @@ class EngineArgs:
     kv_prefault: str = "off"  # "off" | "sync" | "background"; `kvserve serve` defaults to background
     num_threads: int | None = None
     cpu_bind: str | None = None  # e.g. "0-3" or "0,2"
+    speculative_config: dict | str | None = None
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -159,7 +163,16 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler, threads=threads)
+        spec = self.speculative_config
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if spec is not None and not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(spec).__name__}")
+        speculative = SpeculativeConfig.from_dict(spec) if spec else None
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler, threads=threads, speculative=speculative)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -216,6 +229,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "cgroup quota, less one for the frontend when serving on 4+ CPUs)",
     )
     g.add_argument("--cpu-bind", default=None, help="pin the compute threads to these CPUs, e.g. 0-3 (default: off)")
+
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
 
 
 def _bytes(text: str) -> int:

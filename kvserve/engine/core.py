@@ -7,6 +7,7 @@ from dataclasses import asdict, replace
 
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler import Scheduler
+from kvserve.core.spec_decode import SpecDecodingStats
 from kvserve.engine.messages import CoreStats
 from kvserve.outputs import EngineCoreOutput
 from kvserve.profiling import StepTimer
@@ -23,8 +24,8 @@ class EngineCore:
         # Before the model loads: its weight packing and every step run on the plan's threads.
         apply_thread_plan(config.threads or plan_threads())
         self.timer = StepTimer()  # enable to account step time by phase (benchmarks)
-        self.runner = ModelRunner(config.model, config.cache, config.scheduler, self.timer)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
+        self.runner = ModelRunner(config.model, config.cache, config.scheduler, self.timer, config.speculative)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, config.speculative)
 
     @property
     def max_tokens_per_request(self) -> int:
@@ -59,7 +60,14 @@ class EngineCore:
             **asdict(self.scheduler.make_stats()),
             block_size=self.config.cache.block_size,
             prefix_cache=replace(self.scheduler.kv.stats),
+            spec_decoding=self._spec_stats(),
         )
+
+    def _spec_stats(self) -> SpecDecodingStats | None:
+        if self.config.speculative is None:
+            return None
+        stats = self.scheduler.spec_stats
+        return replace(stats, num_accepted_tokens_per_pos=list(stats.num_accepted_tokens_per_pos))
 
     def get_stats(self) -> dict:
         return self.make_stats().to_dict()

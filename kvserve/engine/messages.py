@@ -11,6 +11,7 @@ from dataclasses import asdict
 import msgspec
 
 from kvserve.core.block_pool import PrefixCacheStats
+from kvserve.core.spec_decode import SpecDecodingStats
 from kvserve.outputs import EngineCoreOutput
 from kvserve.request import EngineCoreRequest
 
@@ -41,11 +42,19 @@ class CoreStats(msgspec.Struct):
     num_free_blocks: int
     block_size: int
     prefix_cache: PrefixCacheStats  # cumulative counters (a copy, not the live object)
+    spec_decoding: SpecDecodingStats | None = None  # cumulative; None when speculation is off
 
     def to_dict(self) -> dict:
-        """Plain values, with the prefix cache's hit rate beside its counters."""
-        cache = self.prefix_cache
-        return {**msgspec.structs.asdict(self), "prefix_cache": {**asdict(cache), "hit_rate": cache.hit_rate}}
+        """Plain values, with the prefix cache's hit rate and speculation's acceptance beside their counters."""
+        cache, spec = self.prefix_cache, self.spec_decoding
+        out = {**msgspec.structs.asdict(self), "prefix_cache": {**asdict(cache), "hit_rate": cache.hit_rate}}
+        if spec is not None:
+            out["spec_decoding"] = {
+                **asdict(spec),
+                "acceptance_rate": spec.acceptance_rate,
+                "mean_acceptance_length": spec.mean_acceptance_length,
+            }
+        return out
 
 
 class Ready(msgspec.Struct, tag="ready"):

@@ -65,6 +65,16 @@ class EngineMetrics:
         self._itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a sequence.")
         self._e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
         self._queue = histogram("request_queue_time_seconds", "Time from arrival to first being scheduled.")
+        self._spec_drafts = counter("spec_decode_num_drafts", "Verified drafts (one request's drafts in one step).")
+        self._spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Verified draft tokens.")
+        self._spec_accepted = counter("spec_decode_num_accepted_tokens", "Accepted draft tokens.")
+        self._spec_accepted_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft.", ("position",)
+        )
+        self._spec_rate = gauge("spec_decode_acceptance_rate", "Accepted / verified draft tokens since start.")
+        self._spec_length = gauge(
+            "spec_decode_mean_acceptance_length", "Tokens emitted per verified draft (accepted + 1) since start."
+        )
         self._model = model_name
         self._last_core: CoreStats | None = None
         for m in (self._num_running, self._num_waiting, self._kv_usage):
@@ -82,6 +92,21 @@ class EngineMetrics:
         self._prefix_queries.labels(m).inc(cache.num_query_tokens - (last_cache.num_query_tokens if last_cache else 0))
         self._prefix_hits.labels(m).inc(cache.num_hit_tokens - (last_cache.num_hit_tokens if last_cache else 0))
         self._preemptions.labels(m).inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        spec = stats.spec_decoding
+        if spec is not None:
+            last_spec = last.spec_decoding if last else None
+            self._spec_drafts.labels(m).inc(spec.num_drafts - (last_spec.num_drafts if last_spec else 0))
+            self._spec_draft_tokens.labels(m).inc(
+                spec.num_draft_tokens - (last_spec.num_draft_tokens if last_spec else 0)
+            )
+            self._spec_accepted.labels(m).inc(
+                spec.num_accepted_tokens - (last_spec.num_accepted_tokens if last_spec else 0)
+            )
+            last_pos = last_spec.num_accepted_tokens_per_pos if last_spec else []
+            for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                self._spec_accepted_pos.labels(m, str(pos)).inc(n - (last_pos[pos] if pos < len(last_pos) else 0))
+            self._spec_rate.labels(m).set(spec.acceptance_rate)
+            self._spec_length.labels(m).set(spec.mean_acceptance_length)
         self._last_core = stats
 
     def record_iteration(self, it: IterationStats) -> None:

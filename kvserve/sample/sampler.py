@@ -80,39 +80,35 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] fp32 (not modified in place)."""
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
+        logits = self.apply_constraints(logits, md)
+        if md.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self.gumbel(self.apply_transforms(logits, md), self.draw_keys(md, logits.shape[0]))
+            greedy_rows = self.greedy_rows(md)
+            if bool(greedy_rows.any()):
+                sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+        out = SamplerOutput(sampled_token_ids=sampled)
+        if raw_logprobs is not None:
+            add_logprobs(out, raw_logprobs, md)
+        return out
 
+    @staticmethod
+    def apply_constraints(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """What every row sees, greedy ones too: banned tokens (stops before min_tokens) and penalties."""
         if md.banned_tokens:
             logits = logits.clone()
             for row, token_ids in md.banned_tokens:
                 logits[row, token_ids] = float("-inf")
         if md.repetition_penalty is not None or md.presence_penalty is not None:
             logits = apply_penalties(logits, md)
+        return logits
 
-        if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
-        else:
-            assert md.temperature is not None
-            sampled = self._random_sample(logits, md)
-            greedy_rows = md.temperature == 0
-            if bool(greedy_rows.any()):
-                sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
-
-        out = SamplerOutput(sampled_token_ids=sampled)
-        if raw_logprobs is not None:
-            assert md.max_num_logprobs is not None
-            sampled_lp = raw_logprobs.gather(1, sampled[:, None])  # [B, 1]
-            out.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
-            if md.max_num_logprobs > 0:
-                top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
-                out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
-                out.logprob_token_ids = torch.cat([sampled[:, None], top_ids], dim=1)
-            else:
-                out.logprobs, out.logprob_token_ids = sampled_lp, sampled[:, None]
-        return out
-
-    def _random_sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    @staticmethod
+    def apply_transforms(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Temperature, min-p, top-k and top-p on constrained logits: softmax of the result is the distribution
+        a random row draws from. Greedy rows get temperature 1 here (their pick is the argmax instead)."""
         assert md.temperature is not None
-        # Greedy rows get temperature 1 here; their pick is replaced by the argmax afterwards.
         temp = torch.where(md.temperature == 0, 1.0, md.temperature)
         if not bool((temp == 1.0).all()):
             logits = logits / temp[:, None]
@@ -120,10 +116,35 @@ class Sampler:
             logits = apply_min_p(logits, md.min_p)
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        keys = torch.randint(0, _KEY_RANGE, (logits.shape[0],), generator=md.generator)
+        return logits
+
+    @staticmethod
+    def greedy_rows(md: SamplingMetadata) -> torch.Tensor:
+        """[B] bool."""
+        assert md.temperature is not None
+        return md.temperature == 0
+
+    @staticmethod
+    def draw_keys(md: SamplingMetadata, num_rows: int) -> torch.Tensor:
+        """[B] int64 noise keys: a seeded row's from (seed, position), the others from the shared generator."""
+        keys = torch.randint(0, _KEY_RANGE, (num_rows,), generator=md.generator)
         for row, (seed, position) in md.seeds.items():
             keys[row] = position_key(seed, position)
-        return self.gumbel(logits, keys)
+        return keys
+
+
+def add_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor, md: SamplingMetadata) -> None:
+    """Fill `out`'s logprob fields from the model's raw logprobs [B, V] and its sampled tokens."""
+    assert md.max_num_logprobs is not None
+    sampled = out.sampled_token_ids
+    sampled_lp = raw_logprobs.gather(1, sampled[:, None])  # [B, 1]
+    out.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
+    if md.max_num_logprobs > 0:
+        top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
+        out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
+        out.logprob_token_ids = torch.cat([sampled[:, None], top_ids], dim=1)
+    else:
+        out.logprobs, out.logprob_token_ids = sampled_lp, sampled[:, None]
 
 
 _KEY_RANGE = 1 << 62
@@ -136,6 +157,14 @@ def position_key(seed: int, position: int) -> int:
 
 def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Torch version of the kernel's draw (same hash; a different log, so not bit-identical): [B, V], [B] -> [B]."""
+    idx = torch.arange(logits.shape[-1], dtype=torch.int64)[None, :]
+    u = hash_uniform(keys[:, None], idx)
+    g = -torch.log(-torch.log(u))
+    return (logits.float() + g).argmax(dim=-1)
+
+
+def hash_uniform(keys: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Uniforms strictly inside (0, 1) hashed from int64 keys and indices (broadcast together), fp32."""
     mask32 = 0xFFFFFFFF
 
     def mix32(h: torch.Tensor) -> torch.Tensor:
@@ -145,11 +174,8 @@ def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         h = (h * 0x846CA68B) & mask32
         return h ^ (h >> 16)
 
-    idx = torch.arange(logits.shape[-1], dtype=torch.int64)[None, :]
-    h = mix32(mix32(idx ^ (keys[:, None] & mask32)) ^ ((keys[:, None] >> 32) & mask32))
-    u = ((h >> 9).to(torch.float32) + 0.5) / 8388608.0  # 23 bits: exact in fp32, strictly inside (0, 1)
-    g = -torch.log(-torch.log(u))
-    return (logits.float() + g).argmax(dim=-1)
+    h = mix32(mix32(idx ^ (keys & mask32)) ^ ((keys >> 32) & mask32))
+    return ((h >> 9).to(torch.float32) + 0.5) / 8388608.0  # 23 bits: exact in fp32
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -65,8 +65,10 @@ class InputBatch:
             self.block_table[row, start : start + len(block_ids)] = block_ids
             self.num_blocks[row] = start + len(block_ids)
 
-    def output_token_ids(self, state: RequestState) -> list[int]:
-        return self.token_ids[state.row, state.num_prompt_tokens : self.num_tokens[state.row]].tolist()
+    def output_token_ids(self, state: RequestState, num_extra: int = 0) -> list[int]:
+        """The generated tokens, plus the first `num_extra` draft tokens stored after them."""
+        end = self.num_tokens[state.row] + num_extra
+        return self.token_ids[state.row, state.num_prompt_tokens : end].tolist()
 
     def prompt_token_ids(self, state: RequestState) -> list[int]:
         return self.token_ids[state.row, : state.num_prompt_tokens].tolist()

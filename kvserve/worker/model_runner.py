@@ -1,6 +1,11 @@
 """ModelRunner: SchedulerOutput -> model inputs -> forward -> sample -> ModelRunnerOutput.
 
 Holds the model, the KV cache tensors and its own per-request state (InputBatch); never sees scheduler objects.
+
+Speculative decoding: a request scheduled with k draft tokens has them written after its known tokens in its
+InputBatch row, so they are fed like any other token; the last k + 1 positions are scored and the rejection
+sampler keeps the accepted drafts plus one token. The proposer then drafts the next step's tokens for every
+request that produced tokens.
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ import torch
 
 from kvserve.attention.base import AttentionInputs, KVCache
 from kvserve.attention.selector import get_attn_backend
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.loader.model_loader import load_model
 from kvserve.outputs import ModelRunnerOutput
 from kvserve.platform import startup_summary
 from kvserve.profiling import StepTimer
+from kvserve.sample.rejection_sampler import DraftInputs, RejectionSampler
 from kvserve.sample.sampler import Sampler, SamplerOutput
+from kvserve.spec_decode.base import Proposer
+from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.utils import cdiv
 from kvserve.worker.input_batch import InputBatch, RequestState
 from kvserve.worker.kv_cache import allocate_kv_cache, num_blocks_for, prefault_kv_cache
@@ -41,6 +49,7 @@ class _StepInputs:
     query_start_loc: np.ndarray  # [R + 1]
     seq_lens: np.ndarray  # [R] context length after this step
     sample_idx: np.ndarray  # indices into req_ids of the requests that sample a token this step
+    num_drafts: np.ndarray  # [R] draft tokens scheduled per request (0 without speculation)
     attn_metadata: Any
 
 
@@ -51,6 +60,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         timer: StepTimer | None = None,
+        spec_config: SpeculativeConfig | None = None,
     ) -> None:
         self.timer = timer or StepTimer()
         self.model_config = model_config
@@ -70,6 +80,12 @@ class ModelRunner:
         )
         self.vocab_size = arch.vocab_size
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.proposer: Proposer | None = None
+        if spec_config is not None:
+            self.proposer = NgramProposer(
+                spec_config.num_speculative_tokens, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max
+            )
         self.generator = torch.Generator().manual_seed(model_config.seed)
         self.batch = InputBatch(
             scheduler_config.max_num_seqs,
@@ -125,22 +141,66 @@ class ModelRunner:
         logprobs_lists: list = [None] * len(step.req_ids)
         if len(step.sample_idx):
             with timer.phase("logits"):
-                last_token = torch.from_numpy(step.query_start_loc[1:][step.sample_idx] - 1)
-                logits = self.model.compute_logits(hidden[last_token])
+                num_logits = step.num_drafts[step.sample_idx] + 1
+                ends = step.query_start_loc[1:][step.sample_idx]
+                # The last k + 1 query tokens of each sampling request: its drafts' positions and the bonus.
+                logits_idx = np.repeat(ends - num_logits, num_logits) + _ragged_arange(num_logits)
+                logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx)])
             with timer.phase("sample"):
-                sample_states = [step.states[i] for i in step.sample_idx]
-                metadata = build_sampling_metadata(sample_states, batch, self.vocab_size, self.generator)
-                out = self.sampler(logits, metadata)
-                sampled = out.sampled_token_ids.numpy()
-                sample_rows = step.rows[step.sample_idx]
-                batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = sampled
-                batch.num_tokens[sample_rows] += 1
-                for j, i in enumerate(step.sample_idx.tolist()):
-                    sampled_lists[i] = [int(sampled[j])]
-                if out.logprobs is not None:
-                    self._collect_logprobs(out, step.sample_idx, sample_states, logprobs_lists)
+                self._sample(step, logits, num_logits, sampled_lists, logprobs_lists)
+        spec_token_ids = None
+        if self.proposer is not None:
+            with timer.phase("propose"):
+                spec_token_ids = self._propose(step, sampled_lists)
         has_logprobs = any(x is not None for x in logprobs_lists)
-        return ModelRunnerOutput(step.req_ids, sampled_lists, logprobs_lists if has_logprobs else None)
+        return ModelRunnerOutput(step.req_ids, sampled_lists, logprobs_lists if has_logprobs else None, spec_token_ids)
+
+    def _sample(
+        self, step: _StepInputs, logits: torch.Tensor, num_logits: np.ndarray, sampled_lists: list, logprobs_lists: list
+    ) -> None:
+        """Sample (or verify drafts), append the tokens to the batch rows, fill the per-request result lists."""
+        batch = self.batch
+        sample_states = [step.states[i] for i in step.sample_idx]
+        sample_rows = step.rows[step.sample_idx]
+        if int(num_logits.max()) == 1:
+            metadata = build_sampling_metadata(sample_states, batch, self.vocab_size, self.generator)
+            out = self.sampler(logits, metadata)
+            tokens = out.sampled_token_ids.numpy()[:, None]  # [S, 1]
+            num_out = np.ones(len(sample_rows), dtype=np.int64)
+        else:
+            # One sampling row per scored position; position j of a request sees its drafts before j as output.
+            offsets = _ragged_arange(num_logits)
+            row_states = [sample_states[i] for i in np.repeat(np.arange(len(sample_states)), num_logits)]
+            metadata = build_sampling_metadata(row_states, batch, self.vocab_size, self.generator, offsets)
+            num_drafts = num_logits - 1
+            draft_ids = _draft_matrix(batch, sample_rows, num_drafts)
+            result = self.rejection_sampler(
+                logits, metadata, DraftInputs(torch.from_numpy(draft_ids), torch.from_numpy(num_drafts))
+            )
+            out = result.row_output
+            tokens = result.output_token_ids.numpy()
+            num_out = result.num_output_tokens.numpy()
+            # Only accepted positions' KV stays valid.
+            batch.num_computed_tokens[sample_rows] -= num_drafts - (num_out - 1)
+        starts = batch.num_tokens[sample_rows]
+        for j, i in enumerate(step.sample_idx.tolist()):
+            n = int(num_out[j])
+            emitted = tokens[j, :n]
+            batch.token_ids[sample_rows[j], starts[j] : starts[j] + n] = emitted
+            sampled_lists[i] = emitted.tolist()
+        batch.num_tokens[sample_rows] += num_out
+        if out.logprobs is not None:
+            self._collect_logprobs(out, step.sample_idx, sample_states, num_logits, num_out, logprobs_lists)
+
+    def _propose(self, step: _StepInputs, sampled_lists: list[list[int]]) -> list[list[int]]:
+        assert self.proposer is not None
+        drafts: list[list[int]] = [[] for _ in step.req_ids]
+        if len(step.sample_idx):
+            rows = step.rows[step.sample_idx]
+            proposed = self.proposer.propose(self.batch.token_ids, self.batch.num_tokens, rows)
+            for i, d in zip(step.sample_idx.tolist(), proposed, strict=True):
+                drafts[i] = d
+        return drafts
 
     def _apply_scheduler_output(self, so: SchedulerOutput) -> None:
         batch = self.batch
@@ -150,6 +210,11 @@ class ModelRunner:
             batch.add(new)
         for cached in so.scheduled_cached_reqs:
             batch.update(cached)
+        for req_id, draft_ids in so.scheduled_spec_decode_tokens.items():
+            # Drafts sit after the known tokens (num_tokens is unchanged) and are overwritten by the step's result.
+            row = batch.states[req_id].row
+            start = batch.num_tokens[row]
+            batch.token_ids[row, start : start + len(draft_ids)] = draft_ids
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
         """Token ids, positions, slot mapping and attention metadata for the step, by numpy indexing."""
@@ -169,6 +234,9 @@ class ModelRunner:
         token_rows = rows[token_req]
         block_ids = batch.block_table[token_rows, positions // self.block_size].astype(np.int64)
         seq_lens = start_pos + q_lens
+        num_drafts = np.fromiter(
+            (len(so.scheduled_spec_decode_tokens.get(r, ())) for r in req_ids), dtype=np.int64, count=len(req_ids)
+        )
         attn_metadata = self.attn_backend.build_metadata(
             AttentionInputs(
                 num_decodes=int(np.count_nonzero(q_lens == 1)),
@@ -188,18 +256,45 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             # Only requests whose known tokens are now all computed produce a token (not mid-prompt chunks).
-            sample_idx=np.flatnonzero(seq_lens >= batch.num_tokens[rows]),
+            sample_idx=np.flatnonzero(seq_lens >= batch.num_tokens[rows] + num_drafts),
+            num_drafts=num_drafts,
             attn_metadata=attn_metadata,
         )
 
     @staticmethod
-    def _collect_logprobs(out: SamplerOutput, sample_idx: np.ndarray, states: list[RequestState], dest: list) -> None:
+    def _collect_logprobs(
+        out: SamplerOutput,
+        sample_idx: np.ndarray,
+        states: list[RequestState],
+        num_logits: np.ndarray,
+        num_out: np.ndarray,
+        dest: list,
+    ) -> None:
+        """`out` has one row per scored position; request j's emitted tokens are its first num_out[j] rows."""
         assert out.logprobs is not None and out.logprob_token_ids is not None and out.sampled_ranks is not None
         ids = out.logprob_token_ids.tolist()
         lps = out.logprobs.tolist()
         ranks = out.sampled_ranks.tolist()
+        first_row = np.cumsum(num_logits) - num_logits
         for j, (i, state) in enumerate(zip(sample_idx.tolist(), states, strict=True)):
             n = state.sampling_params.logprobs
             if n is None:
                 continue
-            dest[i] = [(ids[j][: n + 1], lps[j][: n + 1], ranks[j])]
+            r0 = int(first_row[j])
+            dest[i] = [(ids[r][: n + 1], lps[r][: n + 1], ranks[r]) for r in range(r0, r0 + int(num_out[j]))]
+
+
+def _ragged_arange(counts: np.ndarray) -> np.ndarray:
+    """[3, 1, 2] -> [0, 1, 2, 0, 0, 1]."""
+    total = int(counts.sum())
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(total) - starts
+
+
+def _draft_matrix(batch: InputBatch, rows: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """[S, K] int64: each row's scheduled drafts (stored after its known tokens), zero-padded."""
+    k = int(num_drafts.max())
+    cols = batch.num_tokens[rows][:, None] + np.arange(k)[None, :]
+    valid = np.arange(k)[None, :] < num_drafts[:, None]
+    cols = np.where(valid, cols, 0)
+    return np.where(valid, batch.token_ids[rows[:, None], cols], 0).astype(np.int64)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvserve.sample.sampler import SamplingMetadata
@@ -9,9 +10,20 @@ from kvserve.worker.input_batch import InputBatch, RequestState
 
 
 def build_sampling_metadata(
-    states: list[RequestState], batch: InputBatch, vocab_size: int, generator: torch.Generator
+    states: list[RequestState],
+    batch: InputBatch,
+    vocab_size: int,
+    generator: torch.Generator,
+    offsets: np.ndarray | None = None,
 ) -> SamplingMetadata:
-    """One row per state, in order. Features no row uses are left None so the sampler skips them."""
+    """One row per state, in order. Features no row uses are left None so the sampler skips them.
+
+    `offsets` (speculative decoding): row i samples the token `offsets[i]` places after the state's known
+    tokens, i.e. after that many of its draft tokens (stored past the known tokens in the batch row); its seed
+    position, min_tokens count and penalty history are those of that position.
+    """
+    if offsets is None:
+        offsets = np.zeros(len(states), dtype=np.int64)
     params = [s.sampling_params for s in states]
     temps = [0.0 if p.greedy else float(p.temperature) for p in params]
     all_greedy = all(t == 0.0 for t in temps)
@@ -19,7 +31,7 @@ def build_sampling_metadata(
     seeds: dict[int, tuple[int, int]] = {}
     banned: list[tuple[int, list[int]]] = []
     for i, (state, p) in enumerate(zip(states, params, strict=True)):
-        num_tokens = int(batch.num_tokens[state.row])
+        num_tokens = int(batch.num_tokens[state.row] + offsets[i])
         if p.seed is not None and not p.greedy:
             # The position of the token being drawn: stable across batches and preemption.
             seeds[i] = (p.seed, num_tokens)
@@ -49,7 +61,9 @@ def build_sampling_metadata(
         presence_penalty=_unless_all([p.presence_penalty for p in params], 0.0, torch.float32, use_penalties),
         frequency_penalty=_unless_all([p.frequency_penalty for p in params], 0.0, torch.float32, use_penalties),
         repetition_penalty=_unless_all([p.repetition_penalty for p in params], 1.0, torch.float32, use_penalties),
-        output_token_ids=[batch.output_token_ids(s) for s in states] if use_penalties else None,
+        output_token_ids=[batch.output_token_ids(s, int(o)) for s, o in zip(states, offsets, strict=True)]
+        if use_penalties
+        else None,
         prompt_token_ids=[batch.prompt_token_ids(s) for s in states] if use_penalties else None,
         banned_tokens=banned,
         max_num_logprobs=max(logprob_counts) if logprob_counts else None,

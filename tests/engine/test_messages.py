@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvserve.core.block_pool import PrefixCacheStats
+from kvserve.core.spec_decode import SpecDecodingStats
 from kvserve.engine.messages import CoreOutputs, CoreStats, encoder, from_core_decoder
 
 
@@ -44,4 +45,23 @@ def test_core_stats_dict_view():
             "num_evictions": 0,
             "hit_rate": 0.25,
         },
+        "spec_decoding": None,
+    }
+
+
+def test_spec_decoding_stats_on_the_wire_and_in_the_dict():
+    spec = SpecDecodingStats(
+        num_drafts=4, num_draft_tokens=10, num_accepted_tokens=6, num_accepted_tokens_per_pos=[4, 2]
+    )
+    stats = make_stats()
+    stats.spec_decoding = spec
+    msg = from_core_decoder.decode(encoder.encode(CoreOutputs([], stats)))
+    assert msg.stats.spec_decoding == spec
+    assert stats.to_dict()["spec_decoding"] == {
+        "num_drafts": 4,
+        "num_draft_tokens": 10,
+        "num_accepted_tokens": 6,
+        "num_accepted_tokens_per_pos": [4, 2],
+        "acceptance_rate": 0.6,
+        "mean_acceptance_length": 2.5,
     }

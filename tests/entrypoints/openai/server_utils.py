@@ -71,6 +71,10 @@ class Server:
             "512MiB",
             *extra,
         ]
+        # KVSERVE_TEST_SPECULATIVE_CONFIG='{"method": "ngram", ...}' runs every server test with speculation on.
+        spec = os.environ.get("KVSERVE_TEST_SPECULATIVE_CONFIG")
+        if spec and "--speculative-config" not in extra:
+            cmd += ["--speculative-config", spec]
         self.log_path = f"/tmp/kvserve-test-server-{self.port}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)

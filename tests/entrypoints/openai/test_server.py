@@ -298,3 +298,27 @@ def test_client_disconnect_aborts_within_a_second(server, model_path):
     assert server.metric("kvserve:num_requests_running") == 0
     assert server.metric("kvserve:kv_cache_usage_perc") == 0
     assert server.metric("kvserve:request_success_total", finished_reason="abort") == aborted_before + 1
+
+
+def test_speculative_server_matches_and_reports_metrics(tiny_model_factory):
+    """`--speculative-config` on a model whose greedy outputs loop (so drafts are accepted): the same text as the
+    plain server, and the speculation counters in /metrics."""
+    loops = tiny_model_factory("llama-loops")
+    spec_config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+    plain = Server(loops, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN))
+    try:
+        ref = plain.client().completions.create(model=loops, prompt="Hello there", max_tokens=40, temperature=0)
+    finally:
+        assert plain.stop() == 0
+    spec = Server(
+        loops, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--speculative-config", spec_config
+    )
+    try:
+        out = spec.client().completions.create(model=loops, prompt="Hello there", max_tokens=40, temperature=0)
+        assert out.choices[0].text == ref.choices[0].text
+        assert spec.metric("kvserve:spec_decode_num_draft_tokens_total") > 0
+        accepted = spec.metric("kvserve:spec_decode_num_accepted_tokens_total")
+        assert accepted == spec.metric("kvserve:spec_decode_num_accepted_tokens_per_pos_total")
+        assert spec.metric("kvserve:spec_decode_mean_acceptance_length") >= 1.0
+    finally:
+        assert spec.stop() == 0
