@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
 from kvserve.loader.default_model import find_gguf, resolve_model_path
-from kvserve.loader.gguf_weights import gguf_arch_config
+from kvserve.loader.gguf_weights import gguf_arch_config, gguf_linears_quantized
 from kvserve.platform import cpu_info, default_dtype
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,19 @@ def resolve_dtype(dtype: str) -> str:
     return _DTYPES[name]
 
 
+def resolve_quantization(quantization: str | None, gguf_path: str | None) -> str | None:
+    """`auto`: int8 for a GGUF whose layer matrices are quantized (a 4-bit file should give a small, fast engine,
+    not a 4x larger float one); None (weights in `dtype`) for float GGUFs and HF folders. `none`/None: off."""
+    name = "none" if quantization is None else str(quantization).lower()
+    if name == "auto":
+        return "int8" if gguf_path is not None and gguf_linears_quantized(gguf_path) else None
+    if name == "none":
+        return None
+    if name != "int8":
+        raise ValueError(f"unsupported quantization {quantization!r}; use one of auto, int8, none")
+    return name
+
+
 @dataclass
 class EngineArgs:
     """The engine's options: `LLM(model, **options)` takes them as keywords, and each has a CLI flag of the same
@@ -61,12 +74,14 @@ class EngineArgs:
     once. max_num_batched_tokens: token budget per step (None: 2048, or max_model_len without chunked prefill).
     enable_chunked_prefill / enable_prefix_caching. block_size: tokens per KV block. kv_cache_memory: KV budget in
     bytes (None: 40% of free RAM, at most 4 GiB). num_kv_blocks: exact KV block count (overrides the memory).
-    kv_prefault: fault the KV pool in at start-up: "off", "sync" or "background".
+    kv_prefault: fault the KV pool in at start-up: "off", "sync" or "background". quantization: "int8",
+    "none" or "auto" (int8 for a quantized GGUF), see resolve_quantization.
     """
 
     model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = "auto"  # "auto" | "int8" | "none"/None
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -138,6 +153,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             arch=arch,
             seed=self.seed,
+            quantization=resolve_quantization(self.quantization, gguf_path),
         )
         cache = CacheConfig(
             block_size=self.block_size,
@@ -169,6 +185,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default=d.dtype,
         help="auto (bfloat16 where the CPU has native bf16, else float32), bfloat16, float32",
+    )
+    g.add_argument(
+        "--quantization",
+        choices=["auto", "int8", "none"],
+        default=d.quantization,
+        help="int8: int8 linear layers and LM head; auto (default): int8 for a quantized GGUF, else none",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for requests without their own")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
