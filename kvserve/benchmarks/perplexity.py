@@ -83,7 +83,7 @@ def greedy_outputs(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -112,7 +112,7 @@ def main(ns: argparse.Namespace) -> int:
         outputs = greedy_outputs(llm, prompts, ns.agree_len)
         if reference_outputs is None:
             reference_outputs = outputs
-        agree = [common_prefix(a, b) for a, b in zip(reference_outputs, outputs)]
+        agree = [common_prefix(a, b) for a, b in zip(reference_outputs, outputs, strict=True)]
         runner = llm.engine.engine_core.runner
         row = {
             "mode": mode,

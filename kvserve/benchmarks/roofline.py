@@ -142,8 +142,8 @@ def _op_timers():
     from kvserve.attention.torch_ref import TorchRefAttentionBackend
     from kvserve.layers.activation import SiluAndMul
     from kvserve.layers.linear import Linear
-    from kvserve.layers.quant.int8_linear import Int8Linear
     from kvserve.layers.norm import RMSNorm
+    from kvserve.layers.quant.int8_linear import Int8Linear
     from kvserve.layers.rotary import RotaryEmbedding
 
     totals: dict[str, float] = defaultdict(float)
