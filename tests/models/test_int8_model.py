@@ -14,7 +14,6 @@ from kvserve.layers.quant.int8_linear import Int8Linear
 from tests.conftest import assert_all_blocks_free
 from tests.models.test_hf_parity import SMOL_CONDITIONS, run_condition
 
-
 MIN_AGREEMENT = 8
 
 
