@@ -70,7 +70,9 @@ def gguf_linears_quantized(path: str) -> bool:
 
     float_types = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     return any(
-        t.tensor_type not in float_types for t in _reader(path).tensors if t.name.startswith("blk.") and t.n_dims == 2
+        t.tensor_type not in float_types
+        for t in _reader(path).tensors
+        if t.name.startswith("blk.") and len(t.shape) == 2
     )
 
 
