@@ -44,6 +44,7 @@ class ModelConfig:
     max_model_len: int
     arch: ArchConfig
     seed: int = 0
+    quantization: str | None = None  # resolved: "int8" (int8 linears and LM head) or None (weights in dtype)
 
 
 @dataclass(frozen=True)

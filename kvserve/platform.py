@@ -65,10 +65,21 @@ _LEVEL_CFLAGS = {
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
 }
-# torch's own caps for a forced level: oneDNN, ATen's vectorised ops, and MKL (fp32 BLAS).
+# torch's own caps for a forced level: oneDNN, ATen's vectorised ops, MKL (fp32 BLAS) and fbgemm (the int8
+# linears; it ignores the others' caps, and AVX2 is its lowest level).
 _TORCH_CAPS = {
-    "generic": {"ONEDNN_MAX_CPU_ISA": "SSE41", "ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
-    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "generic": {
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+        "ATEN_CPU_CAPABILITY": "default",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+    },
+    "avx2": {
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+    },
     "avx512": {
         "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
         "ATEN_CPU_CAPABILITY": "avx512",

@@ -143,11 +143,13 @@ def _op_timers():
     from kvserve.layers.activation import SiluAndMul
     from kvserve.layers.linear import Linear
     from kvserve.layers.norm import RMSNorm
+    from kvserve.layers.quant.int8_linear import Int8Linear
     from kvserve.layers.rotary import RotaryEmbedding
 
     totals: dict[str, float] = defaultdict(float)
     patched = [
         (Linear, "forward", "linear"),
+        (Int8Linear, "forward", "linear"),
         (CpuKernelAttentionBackend, "forward", "attention"),
         (TorchRefAttentionBackend, "forward", "attention"),
         (RMSNorm, "forward", "rmsnorm"),

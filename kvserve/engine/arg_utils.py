@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
 from kvserve.loader.default_model import find_gguf, resolve_model_path
-from kvserve.loader.gguf_weights import gguf_arch_config
+from kvserve.loader.gguf_weights import gguf_arch_config, gguf_linears_quantized
 from kvserve.platform import cpu_info, default_dtype
 from kvserve.threads import plan_threads
 
@@ -52,6 +52,19 @@ def resolve_dtype(dtype: str) -> str:
     return _DTYPES[name]
 
 
+def resolve_quantization(quantization: str | None, gguf_path: str | None) -> str | None:
+    """`auto`: int8 for a GGUF whose layer matrices are quantized (a 4-bit file should give a small, fast engine,
+    not a 4x larger float one); None (weights in `dtype`) for float GGUFs and HF folders. `none`/None: off."""
+    name = "none" if quantization is None else str(quantization).lower()
+    if name == "auto":
+        return "int8" if gguf_path is not None and gguf_linears_quantized(gguf_path) else None
+    if name == "none":
+        return None
+    if name != "int8":
+        raise ValueError(f"unsupported quantization {quantization!r}; use one of auto, int8, none")
+    return name
+
+
 @dataclass
 class EngineArgs:
     """The engine's options: `LLM(model, **options)` takes them as keywords, and each has a CLI flag of the same
@@ -68,11 +81,15 @@ class EngineArgs:
     optional CPU list to pin them to, e.g. "0-3" (kvserve/threads.py).
     speculative_config: a dict (or its JSON) with vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens":
     4} (config.SpeculativeConfig).
+    quantization: "int8", "none" or "auto" (int8 for a quantized GGUF), see resolve_quantization.
     """
 
     model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None
     dtype: str = "auto"
+    # "auto" | "int8" | "none"/None. Off by default until int8 meets its quality target (docs/benchmarks.md:
+    # +4% perplexity over the GGUF's own weights), so a quantized GGUF still runs at the full precision of `dtype`.
+    quantization: str | None = "none"
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -149,6 +166,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             arch=arch,
             seed=self.seed,
+            quantization=resolve_quantization(self.quantization, gguf_path),
         )
         cache = CacheConfig(
             block_size=self.block_size,
@@ -189,6 +207,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default=d.dtype,
         help="auto (bfloat16 where the CPU has native bf16, else float32), bfloat16, float32",
+    )
+    g.add_argument(
+        "--quantization",
+        choices=["auto", "int8", "none"],
+        default=d.quantization,
+        help="int8: int8 linear layers and LM head; auto: int8 for a quantized GGUF, else none; none (default)",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for requests without their own")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")

@@ -64,6 +64,18 @@ def gguf_arch_config(path: str) -> ArchConfig:
     return arch_config_from_gguf(fields, names)
 
 
+def gguf_linears_quantized(path: str) -> bool:
+    """Whether the file's layer matrices are stored in a quantized block format (not F32/F16/BF16)."""
+    import gguf
+
+    float_types = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    return any(
+        t.tensor_type not in float_types
+        for t in _reader(path).tensors
+        if t.name.startswith("blk.") and len(t.shape) == 2
+    )
+
+
 def hf_name(gguf_name: str) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]

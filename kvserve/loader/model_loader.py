@@ -8,6 +8,7 @@ import torch
 
 from kvserve.attention.base import AttentionBackend
 from kvserve.config import ModelConfig
+from kvserve.layers.quant.apply import quantize_linears
 from kvserve.loader.gguf_weights import iterate_gguf
 from kvserve.loader.safetensors_weights import iterate_safetensors
 from kvserve.models.llama import LlamaForCausalLM
@@ -41,6 +42,8 @@ def load_model(model_config: ModelConfig, backend: AttentionBackend) -> LlamaFor
     else:
         weights = iterate_safetensors(model_config.path)
     model.load_weights(weights)
+    if model_config.quantization is not None:
+        quantize_linears(model, model_config.quantization)
     model.prepare_for_inference()
     model.eval()
     model.requires_grad_(False)

@@ -23,6 +23,7 @@ from kvserve.attention.base import AttentionInputs, KVCache
 from kvserve.attention.selector import get_attn_backend
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.sched_output import SchedulerOutput
+from kvserve.layers.quant.apply import model_weight_bytes
 from kvserve.loader.model_loader import load_model
 from kvserve.outputs import ModelRunnerOutput
 from kvserve.platform import startup_summary
@@ -74,9 +75,15 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(model_config, self.attn_backend)
         logger.info("loaded %s in %.1fs", model_config.model, time.perf_counter() - start)
+        self.weight_bytes = model_weight_bytes(self.model)
+        weights = f"{model_config.quantization or model_config.dtype} weights {self.weight_bytes / 2**20:.0f} MiB"
         # Its own logger, which the CLI shows even without -v: what the platform chose is worth one line always.
         logging.getLogger("kvserve.startup").info(
-            startup_summary(model_config.dtype, torch.get_num_threads(), self.attn_backend.describe(self.block_size))
+            startup_summary(
+                f"{model_config.dtype} ({weights})",
+                torch.get_num_threads(),
+                self.attn_backend.describe(self.block_size),
+            )
         )
         self.vocab_size = arch.vocab_size
         self.sampler = Sampler()

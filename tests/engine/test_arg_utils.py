@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+import pytest
+
 from kvserve.engine.arg_utils import EngineArgs, add_cli_args
 
 
@@ -40,3 +42,16 @@ def test_from_cli_args_defaults_and_flags():
         kv_prefault="sync",
         max_model_len=64,
     )
+
+
+def test_quantization_resolution(smollm2_gguf, tiny_model_factory):
+    from kvserve.engine.arg_utils import resolve_quantization
+
+    assert resolve_quantization("auto", smollm2_gguf) == "int8"  # Q4_1 layers
+    assert resolve_quantization("auto", None) is None  # an HF folder keeps its dtype
+    assert resolve_quantization("INT8", None) == "int8"
+    assert resolve_quantization("none", smollm2_gguf) is None and resolve_quantization(None, smollm2_gguf) is None
+    with pytest.raises(ValueError, match="unsupported quantization"):
+        resolve_quantization("int4", None)
+    cfg = EngineArgs(model=tiny_model_factory("llama-gqa-untied"), quantization="auto").create_engine_config()
+    assert cfg.model.quantization is None

@@ -118,7 +118,7 @@ def smollm2_references(smollm2_gguf, smollm2_tokenizer):
 @pytest.mark.parametrize("cond", list(SMOL_CONDITIONS))
 def test_smollm2_gguf_greedy_matches_hf(cond, smollm2_gguf, smollm2_references):
     prompts, refs = smollm2_references
-    llm = LLM(smollm2_gguf, dtype="float32", max_model_len=256, **SMOL_CONDITIONS[cond])
+    llm = LLM(smollm2_gguf, dtype="float32", quantization="none", max_model_len=256, **SMOL_CONDITIONS[cond])
     for round_idx, got in enumerate(run_condition(llm, prompts)):
         for i, (g, r) in enumerate(zip(got, refs, strict=True)):
             assert g == r, f"{cond} / round {round_idx} / prompt {i}: {g} != {r}"

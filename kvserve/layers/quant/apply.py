@@ -1,0 +1,41 @@
+"""Put int8 linears into a loaded model: every `Linear` (the LM head too) is replaced by an `Int8Linear` built
+from its weights. The embedding stays a gather in the model's dtype; a tied LM head gets its own int8 copy."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kvserve.layers.linear import Linear
+from kvserve.layers.quant.int8_linear import Int8Linear, int8_linear_available
+
+QUANTIZATION_METHODS = ("int8",)
+
+
+def quantize_linears(model: nn.Module, method: str) -> int:
+    """Replace the model's Linear modules in place; returns how many were replaced."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(QUANTIZATION_METHODS)}")
+    if not int8_linear_available():
+        raise RuntimeError("quantization int8 needs torch's fbgemm quantized engine, which this torch build lacks")
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Int8Linear.from_float(linear.weight, linear.bias))
+    return len(targets)
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Resident bytes of the model's weights: parameters and buffers (tied ones once) and int8 packed weights."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            total += m.weight_bytes()
+        elif isinstance(m, Linear) and m._packed is not None:
+            total += m._packed.numel() * m._packed.element_size()
+    return total

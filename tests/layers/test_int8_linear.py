@@ -1,0 +1,104 @@
+"""The int8 linear against a float reference, with error bounds derived from the quantization steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.layers.linear import Linear
+from kvserve.layers.quant.apply import model_weight_bytes, quantize_linears
+from kvserve.layers.quant.int8_linear import Int8Linear, quantize_per_channel
+
+SHAPES = [(64, 96), (576, 960), (1536, 576)]  # (in, out)
+
+
+def _weights(k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0] = 0.0  # an all-zero channel
+    w[1, 3] = 2.0  # an outlier channel
+    return w, torch.randn(n, generator=g)
+
+
+def test_per_channel_codes_within_half_a_step():
+    w, _ = _weights(576, 960, 0)
+    codes, scale = quantize_per_channel(w)
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 127
+    assert scale[0] == 1.0 and not codes[0].any()
+    err = (codes.float() * scale[:, None] - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-5 * w.abs()).all()  # plus fp32 rounding
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+def test_int8_linear_within_quantization_bound(k, n, rows):
+    """|y - x W^T - b| <= sum_i |x_i| e_w + e_x |W_ji| + e_x e_w, with e_w = s_j / 2 (weight half step of output
+    channel j) and e_x = r / 255 (activation half step: the row's max |x| r over 127.5 levels), plus fp32 rounding."""
+    w, b = _weights(k, n, k + n)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * torch.linspace(0.1, 10, rows)[:, None]
+    layer = Int8Linear.from_float(w, b)
+    y = layer(x)
+    ref = x.double() @ w.double().t() + b.double()
+    _, scale = quantize_per_channel(w)
+    e_w = scale.double()[None, :] / 2  # [1, n]
+    e_x = x.double().abs().amax(1, keepdim=True) / 255  # [rows, 1]
+    bound = x.double().abs().sum(1, keepdim=True) * e_w + e_x * w.double().abs().sum(1)[None, :] + k * e_x * e_w
+    err = (y.double() - ref).abs()
+    assert (err <= bound * 1.001 + 1e-4 * ref.abs() + 1e-5).all(), float((err / bound).max())
+    # ... and the bound is not vacuous: the typical error is far below the output's scale.
+    assert err.mean() < 0.02 * ref.abs().mean()
+
+
+def test_rows_do_not_depend_on_their_batch():
+    """Per-token activation quantization: a row's output is bitwise the same alone or among others."""
+    w, b = _weights(576, 960, 1)
+    layer = Int8Linear.from_float(w, b)
+    x = torch.randn(9, 576)
+    x[4] *= 100.0  # an outlier token must not change the others' quantization
+    y = layer(x)
+    for i in (0, 4, 8):
+        assert torch.equal(layer(x[i : i + 1]), y[i : i + 1])
+    assert torch.equal(layer(x[2:6]), y[2:6])
+
+
+def test_given_codes_are_kept_exactly_and_dtype_follows_input():
+    codes = torch.randint(-127, 128, (96, 64), dtype=torch.int8)
+    scale = torch.rand(96) * 0.01 + 1e-3
+    layer = Int8Linear(codes, scale)
+    got_codes, got_scale, bias = layer.unpack()
+    assert torch.equal(got_codes, codes) and torch.allclose(got_scale, scale) and bias is None
+    x = torch.randn(5, 64)
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    y = layer(x)
+    assert (layer(x.bfloat16()).float() - y).abs().max() <= 0.03 * y.abs().max()  # bf16 input rounding
+    with pytest.raises(ValueError, match="int8 codes"):
+        Int8Linear(codes.float(), scale)
+
+
+def test_quantize_linears_replaces_every_linear_and_a_tied_head_gets_its_own_copy():
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(100, 64)
+    model.proj = Linear(64, 32, bias=True)
+    model.lm_head = Linear(64, 100)
+    with torch.no_grad():
+        model.proj.weight.normal_()
+        model.proj.bias.normal_()
+    model.lm_head.weight = model.embed.weight  # tied
+    before = model.embed.weight.detach().clone()
+    assert quantize_linears(model, "int8") == 2
+    assert isinstance(model.proj, Int8Linear) and isinstance(model.lm_head, Int8Linear)
+    assert torch.equal(model.embed.weight, before)  # the embedding stays a float gather
+    x = torch.randn(3, 64)
+    assert torch.allclose(model.lm_head(x), x @ before.t(), atol=0.05 * (x @ before.t()).abs().max())
+    # the float embedding, then per output channel: int8 codes, fp32 scale, int32 column sum (+ fp32 bias)
+    assert model_weight_bytes(model) == 100 * 64 * 4 + 32 * (64 + 8 + 4) + 100 * (64 + 8)
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize_linears(model, "int3")
+
+
+def test_chunked_big_inputs_equal_row_by_row():
+    w = torch.randn(1 << 14, 64) * 0.05  # 16384 outputs: chunks of 64 rows
+    layer = Int8Linear.from_float(w)
+    x = torch.randn(150, 64)
+    y = layer(x)
+    assert torch.equal(y[64:128], layer(x[64:128])) and torch.equal(y[140:], layer(x[140:]))
