@@ -36,6 +36,8 @@ def model_weight_bytes(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, Int8Linear):
             total += m.weight_bytes()
-        elif isinstance(m, Linear) and m._packed is not None:
-            total += m._packed.numel() * m._packed.element_size()
+        elif isinstance(m, Linear):
+            for held in (m._packed, m._panels):  # the weight forms kept outside the parameters
+                if held is not None:
+                    total += held.numel() * held.element_size()
     return total
