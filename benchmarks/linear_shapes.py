@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import kvserve  # noqa: F401  (applies KVSERVE_CPU_ISA's caps to torch before it runs anything)
 from kvserve.kernels.cpu import load_cpu_kernels
-from kvserve.platform import startup_summary
+from kvserve.platform import cpu_info
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # (in, out)
 LAYERS = 30
@@ -49,7 +49,7 @@ def main(rows: list[int]) -> None:
     kernels = load_cpu_kernels()
     if kernels is None:
         sys.exit("the C++ kernels did not load")
-    print(startup_summary())
+    print(cpu_info().describe())
     torch.manual_seed(0)
     totals: dict[tuple[int, str], float] = {}
     for k, n in SHAPES:

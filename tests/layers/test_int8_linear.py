@@ -7,7 +7,7 @@ import torch
 
 from kvserve.layers.linear import Linear
 from kvserve.layers.quant.apply import model_weight_bytes, quantize_linears
-from kvserve.layers.quant.int8_linear import Int8Linear, quantize_per_channel
+from kvserve.layers.quant.int8_linear import Int8Linear, activation_quant, quantize_per_channel
 
 SHAPES = [(64, 96), (576, 960), (1536, 576)]  # (in, out)
 
@@ -33,7 +33,8 @@ def test_per_channel_codes_within_half_a_step():
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])
 def test_int8_linear_within_quantization_bound(k, n, rows):
     """|y - x W^T - b| <= sum_i |x_i| e_w + e_x |W_ji| + e_x e_w, with e_w = s_j / 2 (weight half step of output
-    channel j) and e_x = r / 255 (activation half step: the row's max |x| r over 127.5 levels), plus fp32 rounding."""
+    channel j) and e_x = r * step / 2 (activation half step: the row's max |x| r times the normalised step, 1/127.5
+    with VNNI, 1/63 without), plus fp32 rounding."""
     w, b = _weights(k, n, k + n)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * torch.linspace(0.1, 10, rows)[:, None]
     layer = Int8Linear.from_float(w, b)
@@ -41,7 +42,7 @@ def test_int8_linear_within_quantization_bound(k, n, rows):
     ref = x.double() @ w.double().t() + b.double()
     _, scale = quantize_per_channel(w)
     e_w = scale.double()[None, :] / 2  # [1, n]
-    e_x = x.double().abs().amax(1, keepdim=True) / 255  # [rows, 1]
+    e_x = x.double().abs().amax(1, keepdim=True) * activation_quant()[0] / 2  # [rows, 1]
     bound = x.double().abs().sum(1, keepdim=True) * e_w + e_x * w.double().abs().sum(1)[None, :] + k * e_x * e_w
     err = (y.double() - ref).abs()
     assert (err <= bound * 1.001 + 1e-4 * ref.abs() + 1e-5).all(), float((err / bound).max())

@@ -4,7 +4,7 @@ Weights: int8, symmetric, one fp32 scale per output channel, prepacked once by f
 only one kept). Activations: quantized per token at run time. fbgemm's dynamic op quantizes its whole input with
 one (per-tensor) range, which would make a row's result depend on the other rows of the batch (another request,
 another prefill chunk). So each row is divided by its own absolute maximum first; every row then lies in [-1, 1],
-and the input is quantized with that fixed range, 1/127.5 per step around zero point 128 (uint8). The int32
+and the input is quantized with that fixed range (`activation_quant`: 8 bits with VNNI, 7 without). The int32
 accumulation is exact, so a row's output depends only on that row: batch composition, chunked prefill and
 prefix caching see the same numbers. The output is multiplied back by the row maxima.
 
@@ -15,14 +15,27 @@ model at 1-256 rows except the vocab-wide LM head at 256 rows.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 from torch import nn
 
-# The input quantization after per-row normalisation: [-1, 1] onto uint8 [0, 255].
-_X_SCALE = 1.0 / 127.5
-_X_ZERO_POINT = 128
+from kvserve.platform import cpu_info
+
+
+@functools.cache
+def activation_quant() -> tuple[float, int]:
+    """(scale, zero point) of the input quantization after per-row normalisation to [-1, 1].
+
+    With VNNI (vpdpbusd) fbgemm sums uint8 x int8 products exactly: [-1, 1] onto uint8 [0, 255]. Without it, its
+    kernels pair products into saturating int16 sums (vpmaddubsw: 2 x 255 x 127 overflows), so the input keeps
+    7 bits, [-1, 1] onto [1, 127], as fbgemm's own `reduce_range` does."""
+    if cpu_info().has("avx512_vnni"):
+        return 1.0 / 127.5, 128
+    return 1.0 / 63.0, 64
+
+
 _CHUNK_OUTPUT_ELEMENTS = 1 << 20  # fp32 outputs of at most 4 MiB per fbgemm call
 
 
@@ -89,8 +102,9 @@ class Int8Linear(nn.Module):
 
     def _matmul(self, xf: torch.Tensor) -> torch.Tensor:
         row_max = torch.linalg.vector_norm(xf, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)  # [T, 1]
+        scale, zero_point = activation_quant()
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            xf / row_max, _X_SCALE, _X_ZERO_POINT, self._packed
+            xf / row_max, scale, zero_point, self._packed
         )
         return y.mul_(row_max)
 
