@@ -9,6 +9,7 @@ import torch
 
 from kvserve.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftInputs, RejectionSampler
 from kvserve.sample.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from tests.sample.test_sampler import md
 
 VOCAB = 6
 # Target distribution per draft position (and the bonus position last); differ per position so that a sampler
@@ -37,24 +38,7 @@ MIN_DRAWS = 20_000
 
 
 def metadata(num_rows: int, seed: int, **kw) -> SamplingMetadata:
-    base = dict(
-        all_greedy=False,
-        temperature=torch.ones(num_rows),
-        top_k=None,
-        top_p=None,
-        min_p=None,
-        seeds={},
-        generator=torch.Generator().manual_seed(seed),
-        presence_penalty=None,
-        frequency_penalty=None,
-        repetition_penalty=None,
-        output_token_ids=None,
-        prompt_token_ids=None,
-        banned_tokens=[],
-        max_num_logprobs=None,
-    )
-    base.update(kw)
-    return SamplingMetadata(**base)
+    return md(num_rows, generator=torch.Generator().manual_seed(seed), **kw)
 
 
 def run(k: int, batch: int, full_q: bool, seed: int, truncate: dict | None = None):
