@@ -40,6 +40,18 @@ def test_linear_packed_matches_torch(m, n, k, dtype, tol):
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * k**0.5)
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 700), (200, 1536)])
+def test_linear_packed_row_is_batch_invariant(n, k):
+    """A row's output is bitwise the same alone (the batch-1 stream) as inside any batch (the row tiles), so a
+    request's greedy tokens cannot depend on what it is batched with."""
+    torch.manual_seed(0)
+    x = torch.randn(64, k)
+    wp = K.pack_linear_weight(torch.randn(n, k))
+    alone = torch.cat([K.linear_packed(x[i : i + 1], wp, n, None) for i in range(len(x))])
+    for m in (2, 5, 13, 64):
+        assert torch.equal(K.linear_packed(x[:m], wp, n, None), alone[:m])
+
+
 def test_linear_packed_rejects_mismatches():
     wp = K.pack_linear_weight(torch.randn(40, 8))
     with pytest.raises(RuntimeError, match="n does not match"):

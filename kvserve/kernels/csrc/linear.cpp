@@ -68,6 +68,27 @@ inline void row_tile(const float* x, int64_t ldx, const T* panel, int64_t kc, fl
   }
 }
 
+// One input row (batch-1 decode) against NP consecutive panels: y[0..ncols) = x[0..K) @ panels. row_tile<1>
+// on one panel chains every k step's FMAs through the same kNV accumulators, so the FMA latency, not memory,
+// would set the pace; NP panels at once give NP x kNV independent chains (NP streams for the prefetcher). Each
+// output still sums over k in order from zero, exactly as row_tile does, so a row's result does not depend on
+// the batch it is in.
+template <int NP, typename T>
+inline void gemv_panels(const float* x, const T* panels, int64_t K, float* y, int ncols) {
+  vf acc[NP][kNV];
+  for (int p = 0; p < NP; ++p)
+    for (int v = 0; v < kNV; ++v) acc[p][v] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const vf b = vset(x[k]);
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < kNV; ++v) acc[p][v] = vfma(b, vload(panels + (p * K + k) * kNP + v * kW), acc[p][v]);
+  }
+  alignas(64) float tmp[NP * kNP];
+  for (int p = 0; p < NP; ++p)
+    for (int v = 0; v < kNV; ++v) vstore(tmp + p * kNP + v * kW, acc[p][v]);
+  std::copy(tmp, tmp + ncols, y);
+}
+
 // The last rows of a block (fewer than kMR): the same tile with MR = rows.
 template <int MR, typename T>
 inline void tail_tile(int rows, const float* x, int64_t ldx, const T* panel, int64_t kc, float* y, int64_t ldy,
@@ -81,6 +102,20 @@ inline void tail_tile(int rows, const float* x, int64_t ldx, const T* panel, int
 template <typename T>
 void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t num_panels = cdiv(N, kNP);
+  if (M == 1) {
+    constexpr int kGP = 4;  // panels per gemv call
+    at::parallel_for(0, num_panels, kGP, [&](int64_t p_begin, int64_t p_end) {
+      for (int64_t p = p_begin; p < p_end;) {
+        const int np = static_cast<int>(std::min<int64_t>(kGP, p_end - p));
+        const int ncols = static_cast<int>(std::min<int64_t>(np * kNP, N - p * kNP));
+        const T* panels = wp + p * K * kNP;
+        if (np == kGP) gemv_panels<kGP>(x, panels, K, y + p * kNP, ncols);
+        else gemv_panels<1>(x, panels, K, y + p * kNP, std::min(ncols, kNP));
+        p += np == kGP ? kGP : 1;
+      }
+    });
+    return;
+  }
   // Blocks: input rows in blocks of at most ~256 KiB (they stay in L2 while every panel of the thread passes);
   // k in blocks of ~300 (a ~19 KiB weight sub-panel stays in L1 across the block's row tiles), except for a few
   // input rows, where each panel then streams front to back.
