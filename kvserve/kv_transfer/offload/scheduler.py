@@ -95,8 +95,9 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
                 if block_hash is None:
                     continue
                 st = entry.stat()
-                if st.st_size != size:  # truncated or foreign: it would fail its check anyway
-                    logger.warning("KV disk tier: ignoring %s (size %d, expected %d)", entry.path, st.st_size, size)
+                if st.st_size != size:  # truncated (files are replaced whole, so never a write in progress)
+                    logger.warning("KV disk tier: deleting %s (size %d, expected %d)", entry.path, st.st_size, size)
+                    os.unlink(entry.path)
                     continue
                 found.append((st.st_mtime, block_hash))
         found.sort()

@@ -124,8 +124,10 @@ class OffloadConnectorWorker(KVConnectorWorker):
         for layer, (k, v) in enumerate(self.kv_caches):
             rows[:, 2 * layer] = k[src]
             rows[:, 2 * layer + 1] = v[src]
-        # Two saves of one step may share a slot (the first evicted by the second); index_copy_ keeps the last.
-        self.ram.index_copy_(0, dst, rows)
+        # Two saves of one step may share a slot (the first evicted by the second): only the last is indexed.
+        last = {slot: i for i, slot in enumerate(dst.tolist())}
+        keep = torch.tensor(sorted(last.values()))
+        self.ram.index_copy_(0, dst[keep], rows[keep])
         self._count("ram_saved_bytes", len(saves) * self.info.block_bytes)
         for i, (_, _, block_hash, to_disk) in enumerate(saves):
             if to_disk:
