@@ -119,7 +119,7 @@ def main(ns: argparse.Namespace) -> int:
         # Swap vs recompute under a pool too small for the batch.
         swap_reqs = build_dataset(
             dataclasses.replace(
-                dataset_spec(ns), name="random", num_requests=ns.swap_requests, input_len=(64, 128), output_len=(128, 192)
+                dataset_spec(ns), name="random", num_requests=ns.swap_requests, input_len=(64, 128), output_len=(96, 128)
             ),
             vocab,
         )
@@ -167,8 +167,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("offload", help="KV offload tiers (multi-turn TTFT, restart) and swap vs recompute preemption")
     p.add_argument("--cpu-bytes", default="2GiB", help="RAM tier budget of the tiers runs")
     p.add_argument("--disk-path", default=None, help="where the disk tier's temporary directory goes (default: /tmp)")
-    p.add_argument("--swap-requests", type=int, default=16, help="preemption load: requests at once")
-    p.add_argument("--swap-kv-blocks", type=int, default=48, help="preemption load: KV pool blocks")
+    p.add_argument("--swap-requests", type=int, default=12, help="preemption load: requests at once")
+    p.add_argument("--swap-kv-blocks", type=int, default=32, help="preemption load: KV pool blocks")
     p.add_argument("--json", default=None)
     add_dataset_args(p, default="multi-turn", with_seed=False)
     add_cli_args(p)
