@@ -94,8 +94,13 @@ def main(ns: argparse.Namespace) -> int:
         vocab = llm.engine.config.model.arch.vocab_size
         requests = build_dataset(dataset_spec(ns), vocab)
         pool_tokens = llm.stats()["num_blocks"] * llm.stats()["block_size"]
-        working_set = sum(len(r.prompt_token_ids) + r.output_len for r in requests[-max(1, ns.num_requests // ns.turns) :])
-        print(f"multi-turn: {len(requests)} requests, working set {working_set} tokens = {working_set / pool_tokens:.1f}x the pool")
+        working_set = sum(
+            len(r.prompt_token_ids) + r.output_len for r in requests[-max(1, ns.num_requests // ns.turns) :]
+        )
+        print(
+            f"multi-turn: {len(requests)} requests, working set {working_set} tokens = "
+            f"{working_set / pool_tokens:.1f}x the pool"
+        )
         results["pool_tokens"], results["working_set_tokens"] = pool_tokens, working_set
 
         results["no_tiers"] = _multi_turn(llm, requests)
@@ -119,7 +124,11 @@ def main(ns: argparse.Namespace) -> int:
         # Swap vs recompute under a pool too small for the batch.
         swap_reqs = build_dataset(
             dataclasses.replace(
-                dataset_spec(ns), name="random", num_requests=ns.swap_requests, input_len=(64, 128), output_len=(96, 128)
+                dataset_spec(ns),
+                name="random",
+                num_requests=ns.swap_requests,
+                input_len=(64, 128),
+                output_len=(96, 128),
             ),
             vocab,
         )
@@ -136,19 +145,28 @@ def main(ns: argparse.Namespace) -> int:
     results["identical_preemption"] = results["preempt_recompute"]["_tokens"] == results["preempt_swap"]["_tokens"]
     results["ttft_ratio"] = a["mean_ttft_ms"] / b["mean_ttft_ms"]
     results["restart_ratio"] = results["restart_cold_ttft_ms"] / results["restart_warm_ttft_ms"]
-    print(f"multi-turn mean TTFT: no tiers {a['mean_ttft_ms']:.1f} ms, RAM+disk tiers {b['mean_ttft_ms']:.1f} ms "
-          f"({results['ttft_ratio']:.2f}x lower); outputs identical: {results['identical_tiers']}")
+    print(
+        f"multi-turn mean TTFT: no tiers {a['mean_ttft_ms']:.1f} ms, RAM+disk tiers {b['mean_ttft_ms']:.1f} ms "
+        f"({results['ttft_ratio']:.2f}x lower); outputs identical: {results['identical_tiers']}"
+    )
     kv = b["stats"]["kv_transfer"]
-    print(f"  tiers: RAM hits {kv['ram_hit_blocks']:.0f} blocks, disk hits {kv['disk_hit_blocks']:.0f}, misses "
-          f"{kv['miss_blocks']:.0f}, loaded {kv.get('ram_loaded_bytes', 0) / 2**20:.0f} MiB in {kv.get('load_time_s', 0):.2f} s, "
-          f"saved {kv.get('ram_saved_bytes', 0) / 2**20:.0f} MiB in {kv.get('save_time_s', 0):.2f} s")
-    print(f"restart, first request TTFT: cold {results['restart_cold_ttft_ms']:.1f} ms, warm disk "
-          f"{results['restart_warm_ttft_ms']:.1f} ms ({results['restart_ratio']:.2f}x lower); identical: "
-          f"{results['restart_identical']}")
+    print(
+        f"  tiers: RAM hits {kv['ram_hit_blocks']:.0f} blocks, disk hits {kv['disk_hit_blocks']:.0f}, misses "
+        f"{kv['miss_blocks']:.0f}, loaded {kv.get('ram_loaded_bytes', 0) / 2**20:.0f} MiB "
+        f"in {kv.get('load_time_s', 0):.2f} s, "
+        f"saved {kv.get('ram_saved_bytes', 0) / 2**20:.0f} MiB in {kv.get('save_time_s', 0):.2f} s"
+    )
+    print(
+        f"restart, first request TTFT: cold {results['restart_cold_ttft_ms']:.1f} ms, warm disk "
+        f"{results['restart_warm_ttft_ms']:.1f} ms ({results['restart_ratio']:.2f}x lower); identical: "
+        f"{results['restart_identical']}"
+    )
     for mode in ("recompute", "swap"):
         r = results[f"preempt_{mode}"]
-        print(f"preemption by {mode}: mean e2e {r['mean_e2e_ms']:.0f} ms, {r['num_preemptions']} preemptions "
-              f"({r['num_swapped_out']} swapped, {r['num_swap_fallbacks']} fell back), {r['duration_s']:.1f} s")
+        print(
+            f"preemption by {mode}: mean e2e {r['mean_e2e_ms']:.0f} ms, {r['num_preemptions']} preemptions "
+            f"({r['num_swapped_out']} swapped, {r['num_swap_fallbacks']} fell back), {r['duration_s']:.1f} s"
+        )
     print(f"  outputs identical: {results['identical_preemption']}")
     if ns.json:
         with open(ns.json, "w") as f:

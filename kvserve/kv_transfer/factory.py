@@ -31,7 +31,8 @@ def _resolve(config: KVTransferConfig, side: int) -> type:
     name = _ALIASES.get(config.kv_connector, config.kv_connector)
     if name not in _REGISTRY:
         raise ValueError(
-            f"kv_transfer_config: unknown kv_connector {config.kv_connector!r}; choose from {', '.join(connector_names())}"
+            f"kv_transfer_config: unknown kv_connector {config.kv_connector!r}; "
+            f"choose from {', '.join(connector_names())}"
         )
     module, cls = _REGISTRY[name][side].split(":")
     return getattr(importlib.import_module(module), cls)

@@ -221,7 +221,9 @@ def swap_scheduler(num_blocks: int, num_swap_blocks: int) -> Scheduler:
 
 def test_swap_preemption_resumes_with_its_computed_tokens():
     s = swap_scheduler(num_blocks=10, num_swap_blocks=64)
-    reqs = [make_request(f"r{i}", list(range(100 * i + 5, 100 * i + 15)), max_tokens=12, block_size=BS) for i in range(3)]
+    reqs = [
+        make_request(f"r{i}", list(range(100 * i + 5, 100 * i + 15)), max_tokens=12, block_size=BS) for i in range(3)
+    ]
     outputs, history = run_to_completion(s, reqs)
     for r in reqs:
         assert outputs[r.request_id] == reference_output(r.prompt_token_ids, 12)
@@ -242,7 +244,9 @@ def test_swap_preemption_resumes_with_its_computed_tokens():
 
 def test_swap_falls_back_to_recompute_when_the_swap_space_is_full():
     s = swap_scheduler(num_blocks=10, num_swap_blocks=1)
-    reqs = [make_request(f"r{i}", list(range(100 * i + 5, 100 * i + 15)), max_tokens=12, block_size=BS) for i in range(3)]
+    reqs = [
+        make_request(f"r{i}", list(range(100 * i + 5, 100 * i + 15)), max_tokens=12, block_size=BS) for i in range(3)
+    ]
     outputs, _ = run_to_completion(s, reqs)
     for r in reqs:
         assert outputs[r.request_id] == reference_output(r.prompt_token_ids, 12)
@@ -253,7 +257,9 @@ def test_swap_falls_back_to_recompute_when_the_swap_space_is_full():
 
 def test_abort_of_a_swapped_request_frees_its_swap_blocks():
     s = swap_scheduler(num_blocks=10, num_swap_blocks=64)
-    reqs = [make_request(f"r{i}", list(range(100 * i + 5, 100 * i + 15)), max_tokens=12, block_size=BS) for i in range(3)]
+    reqs = [
+        make_request(f"r{i}", list(range(100 * i + 5, 100 * i + 15)), max_tokens=12, block_size=BS) for i in range(3)
+    ]
     for r in reqs:
         s.add_request(r)
     runner = FakeRunner()

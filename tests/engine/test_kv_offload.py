@@ -32,9 +32,7 @@ def conversations(seed: int = 0, num: int = 4, turns: int = 3) -> list[list[int]
 
 def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     # One at a time, so every turn finds the previous ones' blocks saved (or evicted from the pool).
-    return [
-        llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts
-    ]
+    return [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
 
 
 def offload(disk_path=None, cpu_bytes: int = 1 << 20) -> dict:
