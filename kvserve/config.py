@@ -58,6 +58,8 @@ class CacheConfig:
     # Fault the KV pool's pages in at start-up: "off" (on first use), "sync" (before the engine is ready) or
     # "background" (a daemon thread; what `kvserve serve` does).
     kv_prefault: str = "off"
+    # Bytes of CPU memory for swap preemption (vLLM V0's swap_space); used only with preemption_mode "swap".
+    swap_space: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,37 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # What a preempted request loses: "recompute" (its blocks are freed, its prefill redone) or "swap" (its
+    # blocks are copied to the swap space and back; recompute when the swap space is full).
+    preemption_mode: str = "recompute"
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """A KV connector chosen by name (kvserve.kv_transfer.factory) and its own options, e.g.
+    {"kv_connector": "offload", "cpu_bytes": "2GiB", "disk_path": "/var/cache/kvserve", "disk_bytes": "20GiB"}."""
+
+    kv_connector: str
+    # The connector's options (every key but kv_connector), as sorted (key, value) pairs so the config stays
+    # hashable and immutable; `options` gives them back as a dict.
+    extra: tuple[tuple[str, object], ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KVTransferConfig:
+        d = dict(d)
+        name = d.pop("kv_connector", None)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"kv_transfer_config: kv_connector must name a connector, got {name!r}")
+        nested = d.pop("kv_connector_extra_config", None) or {}  # vLLM's spelling of the options
+        if not isinstance(nested, dict):
+            raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")
+        d.update(nested)
+        d.pop("kv_role", None)  # vLLM's; every kvserve connector both saves and loads
+        return cls(name, tuple(sorted(d.items())))
+
+    @property
+    def options(self) -> dict:
+        return dict(self.extra)
 
 
 @dataclass(frozen=True)
@@ -121,3 +154,4 @@ class EngineConfig:
     scheduler: SchedulerConfig
     threads: ThreadPlan | None = None  # None: the automatic plan, decided when the engine starts
     speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None

@@ -4,6 +4,7 @@ and the user-facing RequestOutput (shaped like vLLM's)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -27,6 +28,8 @@ class ModelRunnerOutput:
     logprobs: list[list[tuple[list[int], list[float], int]] | None] | None = None
     # Speculative decoding: per request, the drafts proposed for its next step (None when speculation is off).
     spec_token_ids: list[list[int]] | None = None
+    # The KV connector's worker side report (kvserve.kv_transfer.base.KVConnectorOutput), or None.
+    kv_connector_output: Any = None
 
 
 @dataclass

@@ -12,7 +12,11 @@ from kvserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Blocks allocated, KV being loaded by the KV connector (kvserve.kv_transfer); not schedulable until loaded.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
+    # Preempted with its KV in the swap space; resumes by swapping it back in.
+    SWAPPED = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is a finished state.
     FINISHED_STOPPED = enum.auto()

@@ -21,3 +21,28 @@ def random_uuid() -> str:
 def next_request_id() -> str:
     """Process-unique, monotonically increasing id for requests that come without one."""
     return str(next(_counter))
+
+
+_BYTE_UNITS = {
+    "k": 1 << 10,
+    "m": 1 << 20,
+    "g": 1 << 30,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "b": 1,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """`2GiB`, `512MiB`, `1.5g`, `1000` -> bytes."""
+    if isinstance(text, int):
+        return text
+    t = str(text).strip().lower()
+    for suffix in sorted(_BYTE_UNITS, key=len, reverse=True):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * _BYTE_UNITS[suffix])
+    return int(t)

@@ -63,12 +63,18 @@ class KVCacheManager:
         stats.num_hit_blocks += num_hit_tokens // self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
+        delay_caching: bool = False,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones.
 
         Returns the ids of blocks appended to the request's table (hits first, then fresh blocks), or None
-        when the pool cannot supply them, in which case nothing changed.
+        when the pool cannot supply them, in which case nothing changed. `delay_caching`: the new blocks' tokens
+        arrive by a KV connector load, not this step's forward pass, so they join the prefix cache only at the
+        request's next allocation (after the load).
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
@@ -89,7 +95,7 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         blocks.extend(fresh)
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_caching:
             req_id = request.request_id
             num_cached = self._num_cached_blocks[req_id]
             num_full = min(num_total, request.num_tokens) // self.block_size

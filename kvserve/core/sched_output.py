@@ -7,6 +7,7 @@ diffs. The runner keeps its own per-request state and never sees scheduler objec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.sampling_params import SamplingParams
 
@@ -43,7 +44,14 @@ class SchedulerOutput:
     # req_id -> draft tokens to verify this step (they follow the request's known tokens; counted in
     # num_scheduled_tokens).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Swap preemption, as (device block id, swap block id) pairs: copied before this step's forward. A step
+    # never has both (no admissions in a step that preempts), so their order does not matter.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # The KV connector's plain-dataclass message to its worker side (kvserve.kv_transfer.base), or None.
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
+        """No tokens to compute (the runner may still have swaps or KV transfers to do)."""
         return self.total_num_scheduled_tokens == 0

@@ -6,7 +6,14 @@ a long prompt), prefix-cache hits (counted as computed at admission) and resumpt
 Running requests go first, in admission order; then waiting requests in FCFS order while the budget,
 `max_num_seqs` and the block pool allow. When a running request cannot get a block, the most recently
 admitted running request is preempted by recompute: its blocks are freed and it goes back to the front of the
-waiting queue, to be resumed later with the tokens it already generated.
+waiting queue, to be resumed later with the tokens it already generated. With `preemption_mode="swap"` its
+computed blocks are copied to the swap space instead (core/swap.py) and copied back when it resumes; recompute
+remains the fallback when the swap space is full.
+
+A KV connector (kvserve.kv_transfer), when configured, is reached only through its scheduler-side interface: after
+the prefix-cache lookup it may hold more of the prompt; such a request gets its blocks and waits in
+WAITING_FOR_REMOTE_KVS (not schedulable, holding its blocks outside the prefix cache) until the worker reports the
+load done or failed, then resumes from the waiting queue with the loaded tokens counted as computed.
 
 Speculative decoding fits the same rule: a decoding request that carries k draft tokens (proposed by the runner
 after its last step) is scheduled 1 + k tokens, and its KV slots are allocated for all of them. Only tokens in
@@ -26,8 +33,11 @@ from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvserve.core.spec_decode import SpecDecodePolicy, SpecDecodingStats
+from kvserve.core.swap import SwapManager
+from kvserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 from kvserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from kvserve.request import Request, RequestStatus
+from kvserve.utils import cdiv
 
 
 @dataclass
@@ -38,6 +48,10 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     num_blocks: int
     num_free_blocks: int
+    num_loading: int = 0  # waiting for their KV from the connector
+    num_swapped_out: int = 0  # cumulative preemptions by swap (included in num_preemptions)
+    num_swapped_in: int = 0
+    num_swap_fallbacks: int = 0  # swap preemptions done by recompute because the swap space was full
 
 
 class Scheduler:
@@ -47,6 +61,8 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         spec_config: SpeculativeConfig | None = None,
+        connector: KVConnectorScheduler | None = None,
+        num_swap_blocks: int = 0,
     ) -> None:
         self.config = config
         self.block_size = cache_config.block_size
@@ -60,6 +76,13 @@ class Scheduler:
         self.spec_config = spec_config
         self.spec_policy = SpecDecodePolicy(spec_config) if spec_config is not None else None
         self.spec_stats = SpecDecodingStats()
+        self.connector = connector
+        self.swap = SwapManager(num_swap_blocks) if config.preemption_mode == "swap" else None
+        # WAITING_FOR_REMOTE_KVS requests (and aborted ones whose load is still in flight), with the number of
+        # external tokens being loaded for each.
+        self.loading: dict[str, tuple[Request, int]] = {}
+        # Finished requests whose blocks the connector still reads (request_finished returned True).
+        self._saving: dict[str, Request] = {}
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -89,19 +112,30 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # A load is writing its blocks: they are freed when the worker reports it (_on_load_done).
+                request.status = status
+                self._finished_req_ids.add(req_id)
+                del self.requests[req_id]
+                if self.connector is not None:
+                    self.connector.request_finished(request, self.kv.get_block_ids(req_id))
+                continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
+                if request.status == RequestStatus.SWAPPED:
+                    assert self.swap is not None
+                    self.swap.drop(req_id)
             request.status = status
             self._free_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.loading or self._saving)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.loading)
 
     # ---------------------------------------------------------------- one step
 
@@ -113,6 +147,8 @@ class Scheduler:
         preempted: set[str] = set()
         num_drafts = self._plan_drafts()
         scheduled_spec: dict[str, list[int]] = {}
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
 
         # 1) Running requests, oldest first. Victims of preemption are taken from the end of `running`, which
         #    holds only requests not yet scheduled in this step, so nothing scheduled is ever taken back.
@@ -124,7 +160,7 @@ class Scheduler:
             num_new = min(num_known + num_drafts.get(request.request_id, 0), budget)
             while (new_block_ids := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self.running.pop()
-                self._preempt(victim)
+                swap_out += self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
                     break
@@ -141,21 +177,50 @@ class Scheduler:
         # 2) Waiting requests, FCFS; none while preemption is freeing memory in this step.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
-            if num_new > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            assert request.num_computed_tokens == 0
-            block_ids = self.kv.allocate_slots(request, num_new, computed_blocks)
-            if block_ids is None:
-                break
-            self.waiting.popleft()
-            self.kv.record_lookup(request.num_tokens, num_hit_tokens)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-                request.first_scheduled_time = time.time()
-            request.num_computed_tokens = num_hit_tokens
+            if request.status == RequestStatus.SWAPPED or request.request_id in self.kv.req_to_blocks:
+                # Resumed: swapped out, or its connector load is done. Its computed tokens stay computed.
+                num_new = request.num_tokens - request.num_computed_tokens
+                if num_new > budget and not self.config.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget)
+                fresh = self.kv.allocate_slots(request, num_new)
+                if fresh is None:
+                    break
+                block_ids = self.kv.get_block_ids(request.request_id)
+                if request.status == RequestStatus.SWAPPED:
+                    assert self.swap is not None
+                    swap_in += self.swap.swap_in(request.request_id, block_ids)
+                self.waiting.popleft()
+            else:
+                computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+                num_external = 0
+                if self.connector is not None:
+                    num_external = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                num_new = request.num_tokens - num_hit_tokens - num_external
+                if num_new > budget and not self.config.enable_chunked_prefill and not num_external:
+                    break
+                num_new = min(num_new, budget)
+                assert request.num_computed_tokens == 0
+                if num_external:
+                    # Blocks to load into; they join the prefix cache only once loaded (never read before).
+                    block_ids = self.kv.allocate_slots(request, num_external, computed_blocks, delay_caching=True)
+                else:
+                    block_ids = self.kv.allocate_slots(request, num_new, computed_blocks)
+                if block_ids is None:
+                    break
+                self.waiting.popleft()
+                self.kv.record_lookup(request.num_tokens, num_hit_tokens)
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens + num_external
+                    request.first_scheduled_time = time.time()
+                request.num_computed_tokens = num_hit_tokens
+                block_ids = self.kv.get_block_ids(request.request_id)
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(request, block_ids, num_external)
+                if num_external:
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    self.loading[request.request_id] = (request, num_external)
+                    continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             new_reqs.append(
@@ -166,7 +231,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     eos_token_ids=request.eos_token_ids,
                     block_ids=block_ids,
-                    num_computed_tokens=num_hit_tokens,
+                    num_computed_tokens=request.num_computed_tokens,
                 )
             )
             num_scheduled[request.request_id] = num_new
@@ -180,14 +245,20 @@ class Scheduler:
         # so the runner can drop every preempted id before adding new requests.
         finished = self._finished_req_ids | preempted
         self._finished_req_ids = set()
-        return SchedulerOutput(
+        assert not (swap_out and swap_in), "a step that preempts admits nothing"
+        so = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
             scheduled_spec_decode_tokens=scheduled_spec,
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
         )
+        if self.connector is not None:
+            so.kv_connector_metadata = self.connector.build_connector_meta(so, self.requests)
+        return so
 
     def _plan_drafts(self) -> dict[str, int]:
         """How many of its proposed drafts each decoding request verifies this step (the adaptive rule)."""
@@ -211,6 +282,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules (max_tokens, max_model_len, EOS, stop ids), free finished."""
         outputs: list[EngineCoreOutput] = []
+        if runner_output.kv_connector_output is not None:
+            self._update_from_connector(runner_output.kv_connector_output)
         logprobs = runner_output.logprobs
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         for idx, req_id in enumerate(runner_output.req_ids):
@@ -281,19 +354,54 @@ class Scheduler:
         assert self.spec_policy is not None
         request.spec_acceptance_ema = self.spec_policy.update_ema(request.spec_acceptance_ema, num_drafts, num_accepted)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request) -> list[tuple[int, int]]:
+        """Free the request's blocks and queue it first; returns the swap-out pairs (empty: recompute)."""
+        pairs = None
+        if self.swap is not None and request.num_computed_tokens > 0:
+            num_blocks = cdiv(request.num_computed_tokens, self.block_size)
+            pairs = self.swap.swap_out(request.request_id, self.kv.get_block_ids(request.request_id)[:num_blocks])
         self.kv.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        if pairs is not None:
+            request.status = RequestStatus.SWAPPED
+        else:
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        return pairs or []
 
     def _free_request(self, request: Request) -> None:
-        self.kv.free(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if self.connector is not None and self.connector.request_finished(
+            request, self.kv.get_block_ids(request.request_id)
+        ):
+            self._saving[request.request_id] = request  # its blocks go when the connector's save is done
+            return
+        self.kv.free(request)
+
+    def _update_from_connector(self, output: KVConnectorOutput) -> None:
+        """Loads done resume their requests first in the waiting queue (a failed one with the tokens that did
+        load: the rest is recomputed); finished saves release their requests' blocks."""
+        assert self.connector is not None
+        self.connector.update_connector_output(output)
+        resumed: list[Request] = []
+        for req_id in sorted(output.finished_loading | set(output.failed_loading)):
+            request, num_external = self.loading.pop(req_id)
+            if request.is_finished:  # aborted while loading
+                self.kv.free(request)
+                continue
+            request.num_computed_tokens += output.failed_loading.get(req_id, num_external)
+            request.status = RequestStatus.WAITING
+            resumed.append(request)
+        resumed.sort(key=lambda r: r.arrival_time)
+        self.waiting.extendleft(reversed(resumed))
+        for req_id in output.finished_saving:
+            request = self._saving.pop(req_id, None)
+            if request is not None:
+                self.kv.free(request)
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -303,4 +411,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.pool.num_free_blocks,
+            num_loading=len(self.loading),
+            num_swapped_out=self.swap.stats.num_swapped_out if self.swap else 0,
+            num_swapped_in=self.swap.stats.num_swapped_in if self.swap else 0,
+            num_swap_fallbacks=self.swap.stats.num_swap_fallbacks if self.swap else 0,
         )

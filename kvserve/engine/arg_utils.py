@@ -7,12 +7,20 @@ import json
 import logging
 from dataclasses import dataclass, fields
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
 from kvserve.loader.default_model import find_gguf, resolve_model_path
 from kvserve.loader.gguf_weights import gguf_arch_config, gguf_linears_quantized
 from kvserve.platform import cpu_info, default_dtype
 from kvserve.threads import plan_threads
+from kvserve.utils import parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +90,10 @@ class EngineArgs:
     speculative_config: a dict (or its JSON) with vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens":
     4} (config.SpeculativeConfig).
     quantization: "int8", "none" or "auto" (int8 for a quantized GGUF), see resolve_quantization.
+    preemption_mode: "recompute" (default) or "swap" (a preempted request's KV goes to `swap_space` bytes of CPU
+    memory and comes back; recompute when that is full). swap_space: bytes or "4GiB" (default 1 GiB with swap).
+    kv_transfer_config: a KV connector, a dict (or its JSON) such as {"kv_connector": "offload", "cpu_bytes":
+    "2GiB", "disk_path": "/tmp/kv", "disk_bytes": "20GiB"} (kvserve/kv_transfer).
     """
 
     model: str | None = None  # None: the embedded default model
@@ -103,6 +115,9 @@ class EngineArgs:
     num_threads: int | None = None
     cpu_bind: str | None = None  # e.g. "0-3" or "0,2"
     speculative_config: dict | str | None = None
+    preemption_mode: str = "recompute"
+    swap_space: int | str | None = None
+    kv_transfer_config: dict | str | None = None
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -168,18 +183,25 @@ class EngineArgs:
             seed=self.seed,
             quantization=resolve_quantization(self.quantization, gguf_path),
         )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        swap_space = parse_bytes(self.swap_space) if self.swap_space is not None else 1 << 30
+        if swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
         cache = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory=self.kv_cache_memory,
             num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_prefault=self.kv_prefault,
+            swap_space=swap_space if self.preemption_mode == "swap" else 0,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            preemption_mode=self.preemption_mode,
         )
         spec = self.speculative_config
         if isinstance(spec, str):
@@ -190,7 +212,32 @@ class EngineArgs:
         if spec is not None and not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(spec).__name__}")
         speculative = SpeculativeConfig.from_dict(spec) if spec else None
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler, threads=threads, speculative=speculative)
+        kv_transfer = _kv_transfer_config(self.kv_transfer_config)
+        return EngineConfig(
+            model=model,
+            cache=cache,
+            scheduler=scheduler,
+            threads=threads,
+            speculative=speculative,
+            kv_transfer=kv_transfer,
+        )
+
+
+def _kv_transfer_config(value: dict | str | None) -> KVTransferConfig | None:
+    from kvserve.kv_transfer.factory import validate
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"kv_transfer_config must be a dict or a JSON object, got {type(value).__name__}")
+    config = KVTransferConfig.from_dict(value)
+    validate(config)
+    return config
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -259,23 +306,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
+    g.add_argument(
+        "--preemption-mode",
+        choices=["recompute", "swap"],
+        default=None,
+        help="what a preempted request loses: recompute (default) or swap (its KV goes to --swap-space and back)",
+    )
+    g.add_argument("--swap-space", default=None, help="CPU memory for swap preemption, e.g. 4GiB (default 1GiB)")
+    g.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help='KV connector as JSON, e.g. \'{"kv_connector": "offload", "cpu_bytes": "2GiB", "disk_path": '
+        '"/tmp/kvserve-kv", "disk_bytes": "20GiB"}\' (RAM and disk tiers beyond the KV pool)',
+    )
 
 
 def _bytes(text: str) -> int:
-    units = {
-        "k": 1 << 10,
-        "m": 1 << 20,
-        "g": 1 << 30,
-        "kib": 1 << 10,
-        "mib": 1 << 20,
-        "gib": 1 << 30,
-        "kb": 1000,
-        "mb": 1000**2,
-        "gb": 1000**3,
-        "b": 1,
-    }
-    t = text.strip().lower()
-    for suffix in sorted(units, key=len, reverse=True):
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * units[suffix])
-    return int(t)
+    return parse_bytes(text)

@@ -9,6 +9,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.spec_decode import SpecDecodingStats
 from kvserve.engine.messages import CoreStats
+from kvserve.kv_transfer.factory import create_scheduler_connector
 from kvserve.outputs import EngineCoreOutput
 from kvserve.profiling import StepTimer
 from kvserve.request import EngineCoreRequest, Request, RequestStatus
@@ -24,8 +25,20 @@ class EngineCore:
         # Before the model loads: its weight packing and every step run on the plan's threads.
         apply_thread_plan(config.threads or plan_threads())
         self.timer = StepTimer()  # enable to account step time by phase (benchmarks)
-        self.runner = ModelRunner(config.model, config.cache, config.scheduler, self.timer, config.speculative)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, config.speculative)
+        self.runner = ModelRunner(
+            config.model, config.cache, config.scheduler, self.timer, config.speculative, config.kv_transfer
+        )
+        connector = None
+        if config.kv_transfer is not None:
+            connector = create_scheduler_connector(config.kv_transfer, self.runner.kv_connector_info)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            self.runner.num_blocks,
+            config.speculative,
+            connector=connector,
+            num_swap_blocks=self.runner.num_swap_blocks,
+        )
 
     @property
     def max_tokens_per_request(self) -> int:
@@ -61,6 +74,7 @@ class EngineCore:
             block_size=self.config.cache.block_size,
             prefix_cache=replace(self.scheduler.kv.stats),
             spec_decoding=self._spec_stats(),
+            kv_transfer=self.scheduler.connector.stats() if self.scheduler.connector is not None else None,
         )
 
     def _spec_stats(self) -> SpecDecodingStats | None:

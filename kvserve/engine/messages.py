@@ -43,6 +43,13 @@ class CoreStats(msgspec.Struct):
     block_size: int
     prefix_cache: PrefixCacheStats  # cumulative counters (a copy, not the live object)
     spec_decoding: SpecDecodingStats | None = None  # cumulative; None when speculation is off
+    num_loading: int = 0  # requests waiting for a KV connector load
+    num_swapped_out: int = 0  # cumulative preemptions by swap (counted in num_preemptions too)
+    num_swapped_in: int = 0
+    num_swap_fallbacks: int = 0  # swap preemptions that recomputed because the swap space was full
+    # The KV connector's cumulative counters (offload: per-tier hit/miss blocks, bytes and seconds of loads and
+    # saves); None without a connector.
+    kv_transfer: dict[str, float] | None = None
 
     def to_dict(self) -> dict:
         """Plain values, with the prefix cache's hit rate and speculation's acceptance beside their counters."""

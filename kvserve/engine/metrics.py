@@ -75,6 +75,13 @@ class EngineMetrics:
         self._spec_length = gauge(
             "spec_decode_mean_acceptance_length", "Tokens emitted per verified draft (accepted + 1) since start."
         )
+        self._swaps = counter("num_swaps", "Swap preemption: swaps out, swaps in, fallbacks to recompute.", ("kind",))
+        self._kv_transfer = Gauge(
+            "kvserve:kv_transfer",
+            "The KV connector's cumulative counters (offload: per-tier hit/miss/saved blocks, bytes, seconds).",
+            labels + ["stat"],
+            registry=r,
+        )
         self._model = model_name
         self._last_core: CoreStats | None = None
         for m in (self._num_running, self._num_waiting, self._kv_usage):
@@ -92,6 +99,15 @@ class EngineMetrics:
         self._prefix_queries.labels(m).inc(cache.num_query_tokens - (last_cache.num_query_tokens if last_cache else 0))
         self._prefix_hits.labels(m).inc(cache.num_hit_tokens - (last_cache.num_hit_tokens if last_cache else 0))
         self._preemptions.labels(m).inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        for kind, now, before in (
+            ("out", stats.num_swapped_out, last.num_swapped_out if last else 0),
+            ("in", stats.num_swapped_in, last.num_swapped_in if last else 0),
+            ("fallback", stats.num_swap_fallbacks, last.num_swap_fallbacks if last else 0),
+        ):
+            if now > before:
+                self._swaps.labels(m, kind).inc(now - before)
+        for name, value in (stats.kv_transfer or {}).items():
+            self._kv_transfer.labels(m, name).set(value)
         spec = stats.spec_decoding
         if spec is not None:
             last_spec = last.spec_decoding if last else None

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    from kvserve.benchmarks import latency, perplexity, roofline, throughput
+    from kvserve.benchmarks import latency, offload, perplexity, roofline, throughput
     from kvserve.benchmarks import serve as serve_bench
 
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, serving load, rooflines")
@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     roofline.add_parser(bench_sub)
     latency.add_parser(bench_sub)
     perplexity.add_parser(bench_sub)
+    offload.add_parser(bench_sub)
     return parser
 
 

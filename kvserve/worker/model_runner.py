@@ -21,8 +21,9 @@ import torch
 
 from kvserve.attention.base import AttentionInputs, KVCache
 from kvserve.attention.selector import get_attn_backend
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kvserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.sched_output import SchedulerOutput
+from kvserve.kv_transfer.base import KVConnectorInfo
 from kvserve.layers.quant.apply import model_weight_bytes
 from kvserve.loader.model_loader import load_model
 from kvserve.outputs import ModelRunnerOutput
@@ -34,7 +35,8 @@ from kvserve.spec_decode.base import Proposer
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.utils import cdiv
 from kvserve.worker.input_batch import InputBatch, RequestState
-from kvserve.worker.kv_cache import allocate_kv_cache, num_blocks_for, prefault_kv_cache
+from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for, prefault_kv_cache
+from kvserve.worker.kv_transfer import KVTransfer
 from kvserve.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         timer: StepTimer | None = None,
         spec_config: SpeculativeConfig | None = None,
+        kv_transfer_config: KVTransferConfig | None = None,
     ) -> None:
         self.timer = timer or StepTimer()
         self.model_config = model_config
@@ -104,6 +107,17 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = allocate_kv_cache(
             self.attn_backend, self.num_blocks, self.block_size, num_layers, self.dtype, device="cpu"
         )
+        block_bytes = bytes_per_block(self.attn_backend, self.block_size, num_layers, self.dtype)
+        # Everything that decides what a block's bytes mean: KV saved under another one must never be loaded.
+        layout_id = (
+            f"{model_config.path}|{model_config.dtype}|{model_config.quantization}|"
+            f"{self.attn_backend.describe(self.block_size)}|{self.attn_backend.kv_cache_shape(1, self.block_size)}"
+            f"|layers={num_layers}"
+        )
+        self.kv_connector_info = KVConnectorInfo(self.block_size, num_layers, block_bytes, layout_id)
+        swap = scheduler_config.preemption_mode == "swap"
+        self.num_swap_blocks = cache_config.swap_space // block_bytes if swap else 0
+        self.kv_transfer = KVTransfer(self.kv_caches, self.kv_connector_info, self.num_swap_blocks, kv_transfer_config)
         self._prefault_stop = threading.Event()
         self._prefault_thread: threading.Thread | None = None
         if cache_config.kv_prefault != "off":
@@ -124,6 +138,7 @@ class ModelRunner:
         """Stop the background KV prefault (it ends within one 64 MiB chunk) and wait for it. The owner calls this
         when it shuts down. Idempotent; steps may still run afterwards (untouched pages fault in on first use)."""
         self._prefault_stop.set()
+        self.kv_transfer.shutdown()
         if self._prefault_thread is not None:
             self._prefault_thread.join()
             self._prefault_thread = None
@@ -135,13 +150,15 @@ class ModelRunner:
         timer = self.timer
         with timer.phase("prepare_inputs"):
             self._apply_scheduler_output(so)
+            self.kv_transfer.before_forward(so)
             if so.is_empty:
-                return ModelRunnerOutput([], [])
+                return ModelRunnerOutput([], [], kv_connector_output=self.kv_transfer.after_forward(so))
             step = self._prepare_inputs(so)
         with timer.phase("forward"):
             hidden = self.model(
                 torch.from_numpy(step.input_ids), torch.from_numpy(step.positions), self.kv_caches, step.attn_metadata
             )
+        kv_connector_output = self.kv_transfer.after_forward(so)
         batch = self.batch
         batch.num_computed_tokens[step.rows] = step.seq_lens
         sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
@@ -160,7 +177,9 @@ class ModelRunner:
             with timer.phase("propose"):
                 spec_token_ids = self._propose(step, sampled_lists)
         has_logprobs = any(x is not None for x in logprobs_lists)
-        return ModelRunnerOutput(step.req_ids, sampled_lists, logprobs_lists if has_logprobs else None, spec_token_ids)
+        return ModelRunnerOutput(
+            step.req_ids, sampled_lists, logprobs_lists if has_logprobs else None, spec_token_ids, kv_connector_output
+        )
 
     def _sample(
         self, step: _StepInputs, logits: torch.Tensor, num_logits: np.ndarray, sampled_lists: list, logprobs_lists: list

@@ -46,7 +46,21 @@ def test_core_stats_dict_view():
             "hit_rate": 0.25,
         },
         "spec_decoding": None,
+        "num_loading": 0,
+        "num_swapped_out": 0,
+        "num_swapped_in": 0,
+        "num_swap_fallbacks": 0,
+        "kv_transfer": None,
     }
+
+
+def test_kv_transfer_and_swap_stats_on_the_wire():
+    stats = make_stats()
+    stats.kv_transfer = {"ram_hit_blocks": 3.0, "load_time_s": 0.5}
+    stats.num_swapped_out = 2
+    msg = from_core_decoder.decode(encoder.encode(CoreOutputs([], stats)))
+    assert msg.stats.kv_transfer == {"ram_hit_blocks": 3.0, "load_time_s": 0.5}
+    assert msg.stats.num_swapped_out == 2
 
 
 def test_spec_decoding_stats_on_the_wire_and_in_the_dict():

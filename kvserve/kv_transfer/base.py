@@ -1,0 +1,134 @@
+"""The KV connector interface, in two halves that only exchange plain dataclasses.
+
+The scheduler side lives beside the scheduler (pure Python, no torch): it says how many more prompt tokens an
+external store holds for a request, learns which blocks were allocated for them, and builds one metadata value per
+step, which rides in `SchedulerOutput.kv_connector_metadata` to the worker side. The worker side lives beside the
+model runner: it starts the loads, may wait per layer, saves what the metadata asks, and reports back through
+`ModelRunnerOutput.kv_connector_output` (a `KVConnectorOutput`), which the scheduler hands to its side.
+
+Contract of a load: every external hit puts its request in WAITING_FOR_REMOTE_KVS with its blocks allocated but
+not yet in the prefix cache, for at least one step; the request is scheduled only after the worker reports the load
+finished (or failed: then the blocks that did not load are recomputed). So no forward pass ever reads a block whose
+load is in flight or failed, and a failed load never loses the request.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvserve.config import KVTransferConfig
+
+if TYPE_CHECKING:
+    from kvserve.core.sched_output import SchedulerOutput
+    from kvserve.request import Request
+
+
+@dataclass(frozen=True)
+class KVConnectorInfo:
+    """What both halves need to know about the worker's KV cache (the runner builds it once)."""
+
+    block_size: int  # tokens per block
+    num_layers: int
+    block_bytes: int  # K and V of one block across all layers
+    # Identifies the model and the bytes' layout (dtype, backend, packing): blocks saved under another layout
+    # must never be loaded.
+    layout_id: str
+
+
+@dataclass
+class KVConnectorMetadata:
+    """Base of a connector's per-step message from its scheduler side to its worker side."""
+
+
+@dataclass
+class KVConnectorOutput:
+    """The worker side's report after a step (plain values)."""
+
+    finished_loading: set[str] = field(default_factory=set)  # requests whose loads completed
+    # Requests whose loads failed: req_id -> how many of the requested external tokens did load (a prefix of them,
+    # a multiple of the block size); the rest is recomputed.
+    failed_loading: dict[str, int] = field(default_factory=dict)
+    finished_saving: set[str] = field(default_factory=set)  # finished requests whose delayed saves completed
+    report: Any = None  # connector-specific, read by its own scheduler side
+
+
+class KVConnectorScheduler(ABC):
+    """Scheduler side. The scheduler calls, per step: `get_num_new_matched_tokens` for a waiting request after its
+    prefix-cache lookup, `update_state_after_alloc` once the request's blocks are allocated (every admission, with
+    0 external tokens when there was no hit), `build_connector_meta` at the end of `schedule()`, then
+    `update_connector_output` with the worker's report, and `request_finished` when a request ends."""
+
+    def __init__(self, config: KVTransferConfig, info: KVConnectorInfo) -> None:
+        self.config = config
+        self.info = info
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Prompt tokens after the first `num_computed_tokens` (a multiple of the block size: the local prefix-cache
+        hits) that the store can load, in whole blocks, leaving at least one token to compute. No side effects: the
+        scheduler may ask again if the request cannot be admitted now."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """`block_ids` are all the request's blocks; those covering tokens [request.num_computed_tokens,
+        + num_external_tokens) are to be loaded (nothing when 0)."""
+
+    @abstractmethod
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput, requests: Mapping[str, Request]
+    ) -> KVConnectorMetadata:
+        """This step's loads and saves for the worker side; `requests` are the scheduler's live requests."""
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:  # noqa: B027 - optional hook
+        """The worker's report of a step (before the scheduler acts on finished and failed loads)."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """A request ended (finished, aborted or dropped). True: keep its blocks until the worker reports the
+        request in `finished_saving` (an asynchronous save still reads them)."""
+        return False
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters for LLM.stats() and /metrics."""
+        return {}
+
+
+class KVConnectorWorker(ABC):
+    """Worker side. Per step the runner calls `start_load_kv` before the forward pass, `wait_for_layer_load(i)` and,
+    after it, `save_kv_layer(i, kv)` for every layer, `wait_for_save()`, then `get_finished()`.
+
+    NOTE: kvserve's models run all layers in one call, so on the CPU the per-layer hooks bracket the whole forward
+    pass; a device backend can call them from inside the layer loop to overlap copies with compute.
+    """
+
+    def __init__(self, config: KVTransferConfig, info: KVConnectorInfo) -> None:
+        self.config = config
+        self.info = info
+        self.kv_caches: list = []
+
+    def register_kv_caches(self, kv_caches: list) -> None:
+        """Per layer (K, V) tensors of the pool, `[num_blocks, block_size, num_kv_heads, head_dim]` each."""
+        self.kv_caches = kv_caches
+
+    @abstractmethod
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        """Start this step's loads (into blocks no forward pass reads until they are reported finished)."""
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:  # noqa: B027 - optional hook
+        """Block until the loads this step's forward pass needs for this layer are in place."""
+
+    def save_kv_layer(self, layer_idx: int, kv_cache: Any) -> None:  # noqa: B027 - optional hook
+        """This layer's K/V of the step are written: a save may start."""
+
+    def wait_for_save(self) -> None:  # noqa: B027 - optional hook
+        """Block until the saves that read blocks which a later step may overwrite have copied them."""
+
+    @abstractmethod
+    def get_finished(self, idle: bool) -> KVConnectorOutput:
+        """The report of this step. `idle`: the step computed nothing, so the worker may wait a little for an
+        in-flight load rather than let the engine spin."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Finish or drop background work; called once when the engine stops."""

@@ -1,0 +1,51 @@
+"""Connectors by name: each name maps to its scheduler-side and worker-side classes, imported only when chosen (the
+scheduler process never imports a worker side's torch code until the runner does)."""
+
+from __future__ import annotations
+
+import importlib
+
+from kvserve.config import KVTransferConfig
+from kvserve.kv_transfer.base import KVConnectorInfo, KVConnectorScheduler, KVConnectorWorker
+
+# name -> ("module:SchedulerClass", "module:WorkerClass")
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "offload": (
+        "kvserve.kv_transfer.offload.scheduler:OffloadConnectorScheduler",
+        "kvserve.kv_transfer.offload.worker:OffloadConnectorWorker",
+    ),
+}
+_ALIASES = {"OffloadConnector": "offload", "OffloadingConnector": "offload"}
+
+
+def register_connector(name: str, scheduler_cls: str, worker_cls: str) -> None:
+    """Add a connector: `scheduler_cls` and `worker_cls` are "module:Class" strings."""
+    _REGISTRY[name] = (scheduler_cls, worker_cls)
+
+
+def connector_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _resolve(config: KVTransferConfig, side: int) -> type:
+    name = _ALIASES.get(config.kv_connector, config.kv_connector)
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"kv_transfer_config: unknown kv_connector {config.kv_connector!r}; "
+            f"choose from {', '.join(connector_names())}"
+        )
+    module, cls = _REGISTRY[name][side].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def validate(config: KVTransferConfig) -> None:
+    """Fail at start-up on an unknown name (the classes check their own options when built)."""
+    _resolve(config, 0)
+
+
+def create_scheduler_connector(config: KVTransferConfig, info: KVConnectorInfo) -> KVConnectorScheduler:
+    return _resolve(config, 0)(config, info)
+
+
+def create_worker_connector(config: KVTransferConfig, info: KVConnectorInfo) -> KVConnectorWorker:
+    return _resolve(config, 1)(config, info)

@@ -1,0 +1,191 @@
+"""The offload connector's worker side: the RAM tier's memory, the disk tier's files, and the copies.
+
+RAM loads and saves are tensor copies on the calling thread (a block is a few hundred KiB: the copy is far
+cheaper than a thread hand-off on the CPU engine). Disk writes and disk loads run on one I/O thread, in order, so
+a delete, a write and a later read of the same file never race; a request with disk blocks finishes loading when
+that thread has read, checked and copied them. A bad file (missing, short, foreign, checksum) fails the load from
+that block on, is deleted, and is reported so the scheduler side forgets it; the scheduler recomputes those tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import torch
+
+from kvserve.config import KVTransferConfig
+from kvserve.kv_transfer.base import KVConnectorInfo, KVConnectorOutput, KVConnectorWorker
+from kvserve.kv_transfer.offload import disk_format
+from kvserve.kv_transfer.offload.options import OffloadOptions, layout_dir
+from kvserve.kv_transfer.offload.scheduler import DISK, OffloadMetadata, OffloadReport
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.01  # how long an idle step waits for an in-flight disk load before returning
+
+
+class OffloadConnectorWorker(KVConnectorWorker):
+    def __init__(self, config: KVTransferConfig, info: KVConnectorInfo) -> None:
+        super().__init__(config, info)
+        self.options = OffloadOptions.from_config(config)
+        self.num_slots = self.options.cpu_bytes // info.block_bytes
+        self.ram: torch.Tensor | None = None  # [num_slots, 2 * num_layers, block_size, num_kv_heads, head_dim]
+        self.dir = layout_dir(self.options.disk_path, info.layout_id) if self.options.disk_path else None
+        self._digest = disk_format.layout_digest(info.layout_id)
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-io") if self.dir else None
+        self._pending_saves: list[tuple[int, int, bytes, bool]] = []
+        self._disk_loads: dict[str, Future] = {}  # req_id -> future of (num blocks loaded, bad hash or None)
+        self._writes: list[Future] = []
+        self._finished: set[str] = set()
+        self._lock = threading.Lock()
+        self._counters: dict[str, float] = {}
+
+    def register_kv_caches(self, kv_caches: list) -> None:
+        super().register_kv_caches(kv_caches)
+        k = kv_caches[0][0]
+        # torch.empty: pages are faulted in when a slot is first written, so an unused budget costs nothing.
+        self.ram = torch.empty((self.num_slots, 2 * len(kv_caches), *k.shape[1:]), dtype=k.dtype)
+
+    def _count(self, key: str, value: float) -> None:
+        with self._lock:
+            self._counters[key] = self._counters.get(key, 0) + value
+
+    # ------------------------------------------------------------------ loads
+
+    def start_load_kv(self, metadata) -> None:
+        assert isinstance(metadata, OffloadMetadata) and self.ram is not None
+        if metadata.disk_deletes:
+            assert self._io is not None
+            self._io.submit(self._delete, list(metadata.disk_deletes))
+        self._pending_saves = list(metadata.saves)
+        for req_id, loads in metadata.loads.items():
+            ram = [(block_id, slot) for block_id, slot, _ in loads if slot != DISK]
+            if ram:
+                start = time.perf_counter()
+                self._copy_in([b for b, _ in ram], [s for _, s in ram])
+                self._count("load_time_s", time.perf_counter() - start)
+                self._count("ram_loaded_bytes", len(ram) * self.info.block_bytes)
+            disk = [(i, block_id, block_hash) for i, (block_id, slot, block_hash) in enumerate(loads) if slot == DISK]
+            if disk:
+                assert self._io is not None
+                self._disk_loads[req_id] = self._io.submit(self._load_from_disk, disk)
+            else:
+                self._finished.add(req_id)
+
+    def _copy_in(self, block_ids: list[int], slots: list[int]) -> None:
+        assert self.ram is not None
+        dst, src = torch.tensor(block_ids), torch.tensor(slots)
+        rows = self.ram[src]  # [n, 2L, ...]
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k[dst] = rows[:, 2 * layer]
+            v[dst] = rows[:, 2 * layer + 1]
+
+    def _load_from_disk(self, disk: list[tuple[int, int, bytes]]) -> tuple[int | None, bytes | None]:
+        """Runs on the I/O thread. Returns (index in the request's loads of the first block that failed, or None;
+        that block's hash)."""
+        assert self.dir is not None
+        start = time.perf_counter()
+        for index, block_id, block_hash in disk:
+            path = os.path.join(self.dir, disk_format.file_name(block_hash))
+            try:
+                payload = disk_format.read_block(path, self._digest, self.info.block_bytes)
+            except disk_format.BadBlockFile as e:
+                logger.warning("KV disk tier: %s is a miss (%s); recomputing from there", path, e)
+                if os.path.exists(path):
+                    os.unlink(path)
+                self._count("load_time_s", time.perf_counter() - start)
+                return index, block_hash
+            rows = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.ram.dtype)  # type: ignore[union-attr]
+            rows = rows.view(2 * len(self.kv_caches), *self.kv_caches[0][0].shape[1:])
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k[block_id] = rows[2 * layer]
+                v[block_id] = rows[2 * layer + 1]
+            self._count("disk_loaded_bytes", len(payload))
+        self._count("load_time_s", time.perf_counter() - start)
+        return None, None
+
+    # ------------------------------------------------------------------ saves
+
+    def wait_for_save(self) -> None:
+        """Copy this step's full blocks into their RAM slots (before the next step may overwrite the blocks), and
+        queue the disk writes of those the disk lacks from a snapshot of each."""
+        saves, self._pending_saves = self._pending_saves, []
+        if not saves:
+            return
+        assert self.ram is not None
+        start = time.perf_counter()
+        src = torch.tensor([s[0] for s in saves])
+        dst = torch.tensor([s[1] for s in saves])
+        rows = torch.empty((len(saves), *self.ram.shape[1:]), dtype=self.ram.dtype)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            rows[:, 2 * layer] = k[src]
+            rows[:, 2 * layer + 1] = v[src]
+        # Two saves of one step may share a slot (the first evicted by the second): only the last is indexed.
+        last = {slot: i for i, slot in enumerate(dst.tolist())}
+        keep = torch.tensor(sorted(last.values()))
+        self.ram.index_copy_(0, dst[keep], rows[keep])
+        self._count("ram_saved_bytes", len(saves) * self.info.block_bytes)
+        for i, (_, _, block_hash, to_disk) in enumerate(saves):
+            if to_disk:
+                assert self._io is not None
+                payload = rows[i].view(torch.uint8).numpy().tobytes()
+                self._writes.append(self._io.submit(self._write, block_hash, payload))
+        self._count("save_time_s", time.perf_counter() - start)
+
+    def _write(self, block_hash: bytes, payload: bytes) -> bytes | None:
+        assert self.dir is not None
+        start = time.perf_counter()
+        try:
+            disk_format.write_block(os.path.join(self.dir, disk_format.file_name(block_hash)), self._digest, payload)
+        except OSError as e:
+            logger.warning("KV disk tier: cannot write a block (%s)", e)
+            return None
+        self._count("disk_saved_bytes", len(payload))
+        self._count("disk_write_time_s", time.perf_counter() - start)
+        return block_hash
+
+    def _delete(self, hashes: list[bytes]) -> None:
+        assert self.dir is not None
+        for block_hash in hashes:
+            try:
+                os.unlink(os.path.join(self.dir, disk_format.file_name(block_hash)))
+            except FileNotFoundError:
+                pass
+
+    # ------------------------------------------------------------------ report
+
+    def get_finished(self, idle: bool) -> KVConnectorOutput:
+        if idle and self._disk_loads and not self._finished:
+            wait(list(self._disk_loads.values()), timeout=_IDLE_WAIT_S, return_when="FIRST_COMPLETED")
+        out = KVConnectorOutput(finished_loading=self._finished, report=OffloadReport())
+        self._finished = set()
+        for req_id, future in list(self._disk_loads.items()):
+            if not future.done():
+                continue
+            del self._disk_loads[req_id]
+            failed_at, bad_hash = future.result()
+            if failed_at is None:
+                out.finished_loading.add(req_id)
+            else:
+                out.failed_loading[req_id] = failed_at * self.info.block_size
+                out.report.disk_bad.append(bad_hash)
+        still = []
+        for future in self._writes:
+            if not future.done():
+                still.append(future)
+            elif (block_hash := future.result()) is not None:
+                out.report.disk_written.append(block_hash)
+        self._writes = still
+        with self._lock:
+            out.report.counters, self._counters = self._counters, {}
+        return out
+
+    def shutdown(self) -> None:
+        """Let queued disk writes finish, so a restarted engine finds them."""
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
