@@ -33,6 +33,16 @@ inline void prefetch_range(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
 }
 
+// Prefetches part `i` of `parts` of a row of `bytes`, split at cache lines. The fast kernel spreads a row's
+// prefetches over the passes it makes anyway (query heads, vector columns): a burst of them stalls the loads the
+// math is waiting on (measured, AVX2 fp32 at batch 64: whole rows at once made attention 1.4x slower, spreading
+// each row over the passes 1.1x faster than one head's row per token).
+inline void prefetch_part(const void* p, int64_t bytes, int i, int parts) {
+  const int64_t lines = (bytes + 63) / 64;
+  const char* c = static_cast<const char*>(p);
+  for (int64_t l = i * lines / parts; l < (i + 1) * lines / parts; ++l) __builtin_prefetch(c + 64 * l, 0, 1);
+}
+
 // ---------------------------------------------------------------- any shape: plain loops over rows
 
 // Whole token rows of a block are contiguous ([block_size, Hkv, D]), so a task that takes every kv head streams
@@ -160,10 +170,10 @@ struct FastDecode {
                 const int cnt = std::min(kW, n - t0);
                 vf part[kW];
                 for (int tt = 0; tt < kW; ++tt) {
-                  // While reading this head's row of token t, fetch the same row of the next block (blocks sit
-                  // anywhere in the pool, so the hardware prefetcher cannot guess where it is).
-                  if (g == 0 && next_k != nullptr && tt < cnt)
-                    prefetch_range(next_k + (t0 + tt) * token_stride, HD * static_cast<int64_t>(sizeof(T)));
+                  // While reading this head's row of token t, fetch a G-th of the same row of the next block
+                  // (blocks sit anywhere in the pool, so the hardware prefetcher cannot guess where it is).
+                  if (next_k != nullptr && tt < cnt)
+                    prefetch_part(next_k + (t0 + tt) * token_stride, HD * static_cast<int64_t>(sizeof(T)), g, G);
                   part[tt] = tt < cnt ? dot_partial(qf, qb, k_cache + base + (t0 + tt) * token_stride) : vzero();
                 }
                 const vf sc = vmul(vhsum(part), vset(scale));
@@ -222,7 +232,7 @@ struct FastDecode {
         vf a[G];
         for (int g = 0; g < G; ++g) a[g] = vload(acc + g * HD + kW * c);
         for (int t = 0; t < n; ++t) {
-          if (c == 0 && next_v != nullptr) prefetch_range(next_v + t * token_stride, kRowBytes);
+          if (next_v != nullptr) prefetch_part(next_v + t * token_stride, kRowBytes, c, NV);
           const vf vv = vload(v + t * token_stride + kW * c);
           for (int g = 0; g < G; ++g) a[g] = vfma(vset(probs[g * probs_stride + t]), vv, a[g]);
         }
