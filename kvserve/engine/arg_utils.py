@@ -7,7 +7,16 @@ import json
 import logging
 from dataclasses import dataclass, fields
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kvserve.config import (
+    EXECUTOR_BACKENDS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from kvserve.distributed.sharding import local_head_counts
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
 from kvserve.loader.default_model import find_gguf, resolve_model_path
 from kvserve.loader.gguf_weights import gguf_arch_config, gguf_linears_quantized
@@ -82,6 +91,9 @@ class EngineArgs:
     speculative_config: a dict (or its JSON) with vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens":
     4} (config.SpeculativeConfig).
     quantization: "int8", "none" or "auto" (int8 for a quantized GGUF), see resolve_quantization.
+    tensor_parallel_size: ranks the model is split over (heads, MLP columns, vocabulary).
+    distributed_executor_backend: where the ranks run: "uniproc" (in the engine process; TP=1 only), "mp" (worker
+    processes on this machine) or "ray" (Ray actors; a Ray cluster's machines); None: uniproc for TP=1, else mp.
     """
 
     model: str | None = None  # None: the embedded default model
@@ -103,6 +115,8 @@ class EngineArgs:
     num_threads: int | None = None
     cpu_bind: str | None = None  # e.g. "0-3" or "0,2"
     speculative_config: dict | str | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -190,7 +204,35 @@ class EngineArgs:
         if spec is not None and not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(spec).__name__}")
         speculative = SpeculativeConfig.from_dict(spec) if spec else None
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler, threads=threads, speculative=speculative)
+        return EngineConfig(
+            model=model,
+            cache=cache,
+            scheduler=scheduler,
+            threads=threads,
+            speculative=speculative,
+            parallel=self._parallel_config(arch, model.quantization),
+        )
+
+    def _parallel_config(self, arch, quantization: str | None) -> ParallelConfig:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        backend = self.distributed_executor_backend or ("uniproc" if tp == 1 else "mp")
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got {backend!r}"
+            )
+        if backend == "uniproc" and tp > 1:
+            raise ValueError("distributed_executor_backend uniproc runs one rank; use mp or ray for TP > 1")
+        if tp > 1:
+            local_head_counts(arch.num_attention_heads, arch.num_key_value_heads, tp)
+            if arch.intermediate_size % tp:
+                raise ValueError(
+                    f"intermediate_size ({arch.intermediate_size}) is not divisible by tensor_parallel_size ({tp})"
+                )
+            if quantization is not None:
+                raise ValueError(f"quantization {quantization} is not supported with tensor_parallel_size > 1 yet")
+        return ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -254,6 +296,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--cpu-bind", default=None, help="pin the compute threads to these CPUs, e.g. 0-3 (default: off)")
 
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="split the model over this many ranks (each with its share of the CPUs)",
+    )
+    g.add_argument(
+        "--distributed-executor-backend",
+        choices=["uniproc", "mp", "ray"],
+        default=None,
+        help="where the ranks run: in the engine process (uniproc, TP=1), worker processes (mp), or Ray actors "
+        "(ray; joins RAY_ADDRESS's cluster if set); default: uniproc for TP=1, else mp",
+    )
     g.add_argument(
         "--speculative-config",
         default=None,

@@ -23,6 +23,8 @@ from kvserve.attention.base import AttentionInputs, KVCache
 from kvserve.attention.selector import get_attn_backend
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.sched_output import SchedulerOutput
+from kvserve.distributed.parallel_state import get_tp_group
+from kvserve.distributed.sharding import local_head_counts
 from kvserve.layers.quant.apply import model_weight_bytes
 from kvserve.loader.model_loader import load_model
 from kvserve.outputs import ModelRunnerOutput
@@ -62,16 +64,20 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         timer: StepTimer | None = None,
         spec_config: SpeculativeConfig | None = None,
+        allocate_kv_cache: bool = True,
     ) -> None:
+        """`allocate_kv_cache=False`: the owner sizes the pool (determine_num_kv_blocks, e.g. the minimum over
+        tensor-parallel ranks) and calls initialize_kv_cache itself."""
         self.timer = timer or StepTimer()
         self.model_config = model_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.dtype = getattr(torch, model_config.dtype)
         arch = model_config.arch
-        self.attn_backend = get_attn_backend(
-            arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, self.dtype
-        )
+        self.tp_size = get_tp_group().world_size
+        # This rank's heads: the attention backend and the KV cache see only them.
+        num_heads, num_kv_heads = local_head_counts(arch.num_attention_heads, arch.num_key_value_heads, self.tp_size)
+        self.attn_backend = get_attn_backend(num_heads, num_kv_heads, arch.head_dim, self.dtype)
         start = time.perf_counter()
         self.model = load_model(model_config, self.attn_backend)
         logger.info("loaded %s in %.1fs", model_config.model, time.perf_counter() - start)
@@ -99,15 +105,25 @@ class ModelRunner:
             model_config.max_model_len,
             cdiv(model_config.max_model_len, self.block_size),
         )
-        num_layers = arch.num_hidden_layers
-        self.num_blocks = num_blocks_for(cache_config, self.attn_backend, num_layers, self.dtype)
-        self.kv_caches: list[KVCache] = allocate_kv_cache(
-            self.attn_backend, self.num_blocks, self.block_size, num_layers, self.dtype, device="cpu"
-        )
+        self.num_blocks = 0
+        self.kv_caches: list[KVCache] = []
         self._prefault_stop = threading.Event()
         self._prefault_thread: threading.Thread | None = None
-        if cache_config.kv_prefault != "off":
-            self.prefault_kv_cache(background=cache_config.kv_prefault == "background")
+        if allocate_kv_cache:
+            self.initialize_kv_cache(self.determine_num_kv_blocks())
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks this rank's share of the KV budget holds (the budget is the engine's, split over the ranks)."""
+        arch = self.model_config.arch
+        return num_blocks_for(self.cache_config, self.attn_backend, arch.num_hidden_layers, self.dtype, self.tp_size)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_cache(
+            self.attn_backend, num_blocks, self.block_size, self.model_config.arch.num_hidden_layers, self.dtype, "cpu"
+        )
+        if self.cache_config.kv_prefault != "off":
+            self.prefault_kv_cache(background=self.cache_config.kv_prefault == "background")
 
     def prefault_kv_cache(self, background: bool = False) -> None:
         """Fault the whole KV pool in now (benchmarks, before timing) or from a daemon thread (the server, which
