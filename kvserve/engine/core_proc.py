@@ -16,7 +16,6 @@ import sys
 import zmq
 
 from kvserve.config import EngineConfig
-from kvserve.executor.base import WorkerFailedError
 from kvserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -27,6 +26,7 @@ from kvserve.engine.messages import (
     encoder,
     to_core_decoder,
 )
+from kvserve.executor.base import WorkerFailedError
 
 logger = logging.getLogger(__name__)
 
