@@ -16,7 +16,7 @@ from kvserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from kvserve.distributed.sharding import local_head_counts
+from kvserve.distributed.sharding import check_head_split
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
 from kvserve.loader.default_model import find_gguf, resolve_model_path
 from kvserve.loader.gguf_weights import gguf_arch_config, gguf_linears_quantized
@@ -225,7 +225,7 @@ class EngineArgs:
         if backend == "uniproc" and tp > 1:
             raise ValueError("distributed_executor_backend uniproc runs one rank; use mp or ray for TP > 1")
         if tp > 1:
-            local_head_counts(arch.num_attention_heads, arch.num_key_value_heads, tp)
+            check_head_split(arch.num_attention_heads, arch.num_key_value_heads, tp)
             if arch.intermediate_size % tp:
                 raise ValueError(
                     f"intermediate_size ({arch.intermediate_size}) is not divisible by tensor_parallel_size ({tp})"

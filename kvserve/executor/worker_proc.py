@@ -8,6 +8,7 @@ parent (the engine core), exits on STOP or SIGTERM, and ignores SIGINT (the fron
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import signal
 import sys
@@ -28,6 +29,8 @@ def run_worker(
     _die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # All ranks are on this machine: gloo's connections stay on loopback (unless the user chose an interface).
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     from kvserve.worker.worker import Worker
 
     ctx = zmq.Context()

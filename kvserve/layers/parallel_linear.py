@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kvserve.distributed.parallel_state import TPGroup, get_tp_group
-from kvserve.distributed.sharding import local_head_counts
+from kvserve.distributed.sharding import head_slice
 from kvserve.layers.linear import Linear
 
 
@@ -41,13 +41,19 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: i
 
 
 class ColumnParallelLinear(Linear):
-    """y_r = x W_r^T + b_r, W_r the rank's rows of W [out_features, in_features]. Output: [*, out_features / tp]."""
+    """y_r = x W_r^T + b_r, W_r the rank's rows of W [out_features, in_features]. Output: [*, out_features / tp].
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+    `output_sizes` lists the full size of each merged piece; by default each is split evenly over the ranks."""
+
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool = False, local_sizes: list[int] | None = None
+    ) -> None:
         tp = get_tp_group()
         self.tp: TPGroup = tp
         self.output_sizes = list(output_sizes)  # full size of each merged piece
-        self.local_sizes = [_divide(n, tp.world_size, "output features") for n in output_sizes]
+        if local_sizes is None:
+            local_sizes = [_divide(n, tp.world_size, "output features") for n in output_sizes]
+        self.local_sizes = list(local_sizes)
         super().__init__(in_features, sum(self.local_sizes), bias)
         for p in (self.weight, self.bias):
             if p is not None:
@@ -73,46 +79,51 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v in one matmul, split by attention heads: a rank gets num_heads / tp query heads and the KV heads
-    they read. With fewer KV heads than ranks (GQA/MQA), each KV head is replicated on tp / num_kv_heads ranks."""
+    """q, k and v in one matmul, split by whole GQA groups (distributed/sharding.py): a rank gets its query heads
+    and the KV heads they read; with fewer KV heads than ranks each KV head is replicated."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
         tp = get_tp_group()
-        self.num_heads, self.num_kv_heads = local_head_counts(num_heads, num_kv_heads, tp.world_size)
+        self.heads = head_slice(num_heads, num_kv_heads, tp.world_size, tp.rank)
+        self.num_heads, self.num_kv_heads = self.heads.num_heads, self.heads.num_kv_heads
         self.head_dim = head_dim
-        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        # Built as the column-parallel split of its local sizes times tp; shard_rows below knows the real map.
-        super().__init__(hidden_size, [q * tp.world_size, kv * tp.world_size, kv * tp.world_size], bias)
-        self.output_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        full = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden_size, full, bias, local_sizes=[q, kv, kv])
+
+    @property
+    def q_input_slice(self) -> tuple[int, int]:
+        """(first feature, count) of this rank's attention output in o_proj's input."""
+        return self.heads.first_head * self.head_dim, self.num_heads * self.head_dim
 
     def shard_rows(self, shard_id: int) -> tuple[int, int, int]:
-        local = self.local_sizes[shard_id]
-        if shard_id == 0:
-            first_head = self.tp.rank * self.num_heads
-        else:
-            replicas = max(1, self.tp.world_size // self.total_num_kv_heads)
-            first_head = (self.tp.rank // replicas) * self.num_kv_heads
-        return first_head * self.head_dim, sum(self.local_sizes[:shard_id]), local
+        first_head = self.heads.first_head if shard_id == 0 else self.heads.first_kv_head
+        return first_head * self.head_dim, sum(self.local_sizes[:shard_id]), self.local_sizes[shard_id]
 
 
 class RowParallelLinear(Linear):
     """y = sum over ranks of x_r W_r^T, then + b: W_r the rank's columns of W, x_r its slice of the input (the
-    output of a column-parallel layer). Output: the full [*, out_features] on every rank."""
+    output of a column-parallel layer; `input_slice` = (first feature, count) when it is not an even split).
+    Output: the full [*, out_features] on every rank."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, input_slice: tuple[int, int] | None = None
+    ) -> None:
         tp = get_tp_group()
         self.tp: TPGroup = tp
         self.full_in_features = in_features
-        super().__init__(_divide(in_features, tp.world_size, "input features"), out_features, bias)
+        if input_slice is None:
+            n = _divide(in_features, tp.world_size, "input features")
+            input_slice = (tp.rank * n, n)
+        self.input_start = input_slice[0]
+        super().__init__(input_slice[1], out_features, bias)
         self.weight.weight_loader = self.weight_loader
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         _check_shape(loaded, (self.out_features, self.full_in_features))
-        n = self.in_features
-        param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
+        param.data.copy_(loaded.narrow(1, self.input_start, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:

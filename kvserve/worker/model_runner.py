@@ -24,7 +24,7 @@ from kvserve.attention.selector import get_attn_backend
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel_state import get_tp_group
-from kvserve.distributed.sharding import local_head_counts
+from kvserve.distributed.sharding import head_slice
 from kvserve.layers.quant.apply import model_weight_bytes
 from kvserve.loader.model_loader import load_model
 from kvserve.outputs import ModelRunnerOutput
@@ -74,10 +74,11 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.dtype = getattr(torch, model_config.dtype)
         arch = model_config.arch
-        self.tp_size = get_tp_group().world_size
+        tp = get_tp_group()
+        self.tp_size = tp.world_size
         # This rank's heads: the attention backend and the KV cache see only them.
-        num_heads, num_kv_heads = local_head_counts(arch.num_attention_heads, arch.num_key_value_heads, self.tp_size)
-        self.attn_backend = get_attn_backend(num_heads, num_kv_heads, arch.head_dim, self.dtype)
+        heads = head_slice(arch.num_attention_heads, arch.num_key_value_heads, tp.world_size, tp.rank)
+        self.attn_backend = get_attn_backend(heads.num_heads, heads.num_kv_heads, arch.head_dim, self.dtype)
         start = time.perf_counter()
         self.model = load_model(model_config, self.attn_backend)
         logger.info("loaded %s in %.1fs", model_config.model, time.perf_counter() - start)
