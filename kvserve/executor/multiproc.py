@@ -165,10 +165,10 @@ class MultiprocExecutor(Executor):
             deadline = time.monotonic() + 5.0
             for proc in self.procs:
                 proc.join(max(0.0, deadline - time.monotonic()))
-        # A failed peer leaves the others blocked in a collective: they get SIGTERM, then SIGKILL.
+        # After a failure the others may be blocked in a collective and cannot act on SIGTERM: kill them at once.
         for proc in self.procs:
             if proc.is_alive():
-                proc.terminate()
+                proc.kill() if self.failure is not None else proc.terminate()
         for proc in self.procs:
             proc.join(2.0)
             if proc.is_alive():
