@@ -45,6 +45,10 @@ def run_worker(
         while True:
             kind, payload = inputs.recv_multipart()
             if kind == wire.STOP:
+                # Every rank got STOP: leave the process group cleanly (its threads abort the process otherwise).
+                from kvserve.distributed.parallel_state import destroy_tensor_parallel
+
+                destroy_tensor_parallel()
                 return
             try:
                 if kind == wire.STEP:

@@ -19,7 +19,7 @@ ENGINE = dict(
     dtype="float32",
     max_model_len=256,
     block_size=8,
-    num_kv_blocks=24,
+    num_kv_blocks=16,
     max_num_batched_tokens=24,
     max_num_seqs=4,
 )
@@ -30,7 +30,7 @@ def workload() -> tuple[list[dict], SamplingParams]:
     prefix = [rng.randrange(3, 49000) for _ in range(24)]
     prompts = [prefix + [rng.randrange(3, 49000) for _ in range(rng.randrange(3, 30))] for _ in range(5)]
     prompts.append([rng.randrange(3, 49000) for _ in range(40)])
-    return [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    return [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 def run(model: str, **options) -> tuple[list[list[int]], dict]:
