@@ -147,6 +147,22 @@ class SpeculativeConfig:
         return config
 
 
+EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split and where its workers run (vLLM's names)."""
+
+    tensor_parallel_size: int = 1
+    # "uniproc": one worker inside the engine-core process (TP=1 only); "mp": one process per rank on this
+    # machine; "ray": one Ray actor per rank, on this machine or across a Ray cluster.
+    distributed_executor_backend: str = "uniproc"
+    # A step (or an RPC) that takes longer fails the engine: a hung worker must not hang the server. Also the
+    # torch.distributed collective timeout.
+    worker_timeout_s: float = 300.0
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -155,3 +171,4 @@ class EngineConfig:
     threads: ThreadPlan | None = None  # None: the automatic plan, decided when the engine starts
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

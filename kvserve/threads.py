@@ -183,6 +183,19 @@ def plan_threads(num_threads: int | None = None, cpu_bind: str | None = None, se
     return ThreadPlan(limit - reserve, limit, reserve, "auto", reason, bind)
 
 
+def rank_thread_plan(plan: ThreadPlan, rank: int, world_size: int) -> ThreadPlan:
+    """A tensor-parallel rank's share of `plan` on a machine shared by `world_size` ranks: num_threads / world_size
+    threads (at least one), each rank pinned to its own CPUs (the plan's bind list, else this process's affinity
+    CPUs, split in rank order), so ranks do not preempt each other's OpenMP threads."""
+    if world_size == 1:
+        return plan
+    per_rank = max(1, plan.num_threads // world_size)
+    cpus = list(plan.cpu_bind) if plan.cpu_bind else sorted(affinity_cpus())[: plan.limit]
+    bind = tuple(cpus[rank * per_rank : (rank + 1) * per_rank]) if len(cpus) >= per_rank * world_size else None
+    reason = f"{plan.limit_reason}; rank {rank} of {world_size}"
+    return ThreadPlan(per_rank, plan.limit, plan.reserve, plan.source, reason, bind)
+
+
 def _cpu_list(cpus: set[int]) -> str:
     return ",".join(map(str, sorted(cpus)))
 

@@ -40,7 +40,7 @@ def main(ns: argparse.Namespace) -> int:
     if args.max_num_batched_tokens is None:
         args.max_num_batched_tokens = max(2048, ns.prompt_len)  # the prompt in one step, as llama-bench does
     llm = LLM.from_engine_args(args)
-    llm.engine.engine_core.runner.prefault_kv_cache()
+    llm.engine.engine_core.executor.collective_rpc("prefault_kv_cache")
     model_config = llm.engine.config.model
     print(platform_line(model_config.dtype))
     print(f"weights: {model_config.quantization or model_config.dtype}")

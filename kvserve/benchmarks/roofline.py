@@ -181,7 +181,7 @@ def main(ns: argparse.Namespace) -> int:
 
     args = EngineArgs.from_cli_args(ns)
     llm = LLM.from_engine_args(args)
-    llm.engine.engine_core.runner.prefault_kv_cache()  # as in `bench throughput`: time steady state
+    llm.engine.engine_core.executor.collective_rpc("prefault_kv_cache")  # as in `bench throughput`: time steady state
     print(platform_line(llm.engine.config.model.dtype))
     dtype = getattr(torch, llm.engine.config.model.dtype)
     num_params = count_parameters(llm.engine.config.model.arch)

@@ -214,7 +214,7 @@ def main(ns: argparse.Namespace) -> int:
                 llm = LLM.from_engine_args(cfg)
             # A long-running server has touched its whole KV pool once (`kvserve serve` does it in the background
             # at start-up); fault it in before timing rather than charge the first pass to this run.
-            llm.engine.engine_core.runner.prefault_kv_cache()
+            llm.engine.engine_core.executor.collective_rpc("prefault_kv_cache")
             # Warm-up outside the timing: allocator, oneDNN kernel selection.
             warm = DatasetSpec("random", num_requests=8, seed=ns.seed + 1, input_len=(64, 128), output_len=(8, 16))
             run_kvserve(llm, build_dataset(warm, vocab), "warmup", ns.temperature)

@@ -8,13 +8,16 @@ import logging
 from dataclasses import dataclass, fields
 
 from kvserve.config import (
+    EXECUTOR_BACKENDS,
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
+from kvserve.distributed.sharding import check_head_split
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
 from kvserve.loader.default_model import find_gguf, resolve_model_path
 from kvserve.loader.gguf_weights import gguf_arch_config, gguf_linears_quantized
@@ -94,6 +97,9 @@ class EngineArgs:
     memory and comes back; recompute when that is full). swap_space: bytes or "4GiB" (default 1 GiB with swap).
     kv_transfer_config: a KV connector, a dict (or its JSON) such as {"kv_connector": "offload", "cpu_bytes":
     "2GiB", "disk_path": "/tmp/kv", "disk_bytes": "20GiB"} (kvserve/kv_transfer).
+    tensor_parallel_size: ranks the model is split over (heads, MLP columns, vocabulary).
+    distributed_executor_backend: where the ranks run: "uniproc" (in the engine process; TP=1 only), "mp" (worker
+    processes on this machine) or "ray" (Ray actors; a Ray cluster's machines); None: uniproc for TP=1, else mp.
     """
 
     model: str | None = None  # None: the embedded default model
@@ -118,6 +124,8 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: int | str | None = None
     kv_transfer_config: dict | str | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -220,7 +228,34 @@ class EngineArgs:
             threads=threads,
             speculative=speculative,
             kv_transfer=kv_transfer,
+            parallel=self._parallel_config(arch, model.quantization),
         )
+
+    def _parallel_config(self, arch, quantization: str | None) -> ParallelConfig:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        backend = self.distributed_executor_backend or ("uniproc" if tp == 1 else "mp")
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got {backend!r}"
+            )
+        if backend == "uniproc" and tp > 1:
+            raise ValueError("distributed_executor_backend uniproc runs one rank; use mp or ray for TP > 1")
+        if tp > 1:
+            check_head_split(arch.num_attention_heads, arch.num_key_value_heads, tp)
+            if arch.intermediate_size % tp:
+                raise ValueError(
+                    f"intermediate_size ({arch.intermediate_size}) is not divisible by tensor_parallel_size ({tp})"
+                )
+            if quantization is not None:
+                raise ValueError(f"quantization {quantization} is not supported with tensor_parallel_size > 1 yet")
+        if backend != "uniproc" and (self.kv_transfer_config is not None or self.preemption_mode == "swap"):
+            raise ValueError(
+                "kv_transfer_config and preemption_mode='swap' need the uniproc executor (tensor_parallel_size 1) "
+                "for now"
+            )
+        return ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend)
 
 
 def _kv_transfer_config(value: dict | str | None) -> KVTransferConfig | None:
@@ -301,6 +336,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--cpu-bind", default=None, help="pin the compute threads to these CPUs, e.g. 0-3 (default: off)")
 
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="split the model over this many ranks (each with its share of the CPUs)",
+    )
+    g.add_argument(
+        "--distributed-executor-backend",
+        choices=["uniproc", "mp", "ray"],
+        default=None,
+        help="where the ranks run: in the engine process (uniproc, TP=1), worker processes (mp), or Ray actors "
+        "(ray; joins RAY_ADDRESS's cluster if set); default: uniproc for TP=1, else mp",
+    )
     g.add_argument(
         "--speculative-config",
         default=None,

@@ -9,12 +9,12 @@ from kvserve.config import EngineConfig
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.spec_decode import SpecDecodingStats
 from kvserve.engine.messages import CoreStats
+from kvserve.executor.base import get_executor_class
 from kvserve.kv_transfer.factory import create_scheduler_connector
 from kvserve.outputs import EngineCoreOutput
 from kvserve.profiling import StepTimer
 from kvserve.request import EngineCoreRequest, Request, RequestStatus
 from kvserve.threads import apply_thread_plan, plan_threads
-from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -25,20 +25,34 @@ class EngineCore:
         # Before the model loads: its weight packing and every step run on the plan's threads.
         apply_thread_plan(config.threads or plan_threads())
         self.timer = StepTimer()  # enable to account step time by phase (benchmarks)
-        self.runner = ModelRunner(
-            config.model, config.cache, config.scheduler, self.timer, config.speculative, config.kv_transfer
-        )
-        connector = None
-        if config.kv_transfer is not None:
-            connector = create_scheduler_connector(config.kv_transfer, self.runner.kv_connector_info)
+        # The workers (one per tensor-parallel rank) load the model; the KV pool is what every rank can hold.
+        self.executor = get_executor_class(config.parallel)(config, self.timer)
+        try:
+            self.num_blocks = self.executor.determine_num_kv_blocks()
+            self.executor.initialize_kv_cache(self.num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        connector, num_swap_blocks = None, 0
+        if config.kv_transfer is not None or config.scheduler.preemption_mode == "swap":
+            # Validation keeps both to the uniproc executor, whose runner is in this process.
+            runner = self.executor.driver_runner
+            num_swap_blocks = runner.num_swap_blocks
+            if config.kv_transfer is not None:
+                connector = create_scheduler_connector(config.kv_transfer, runner.kv_connector_info)
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
-            self.runner.num_blocks,
+            self.num_blocks,
             config.speculative,
             connector=connector,
-            num_swap_blocks=self.runner.num_swap_blocks,
+            num_swap_blocks=num_swap_blocks,
         )
+
+    @property
+    def runner(self):
+        """The in-process ModelRunner (uniproc executor only), for benchmarks and tools."""
+        return self.executor.driver_runner
 
     @property
     def max_tokens_per_request(self) -> int:
@@ -60,7 +74,7 @@ class EngineCore:
         timer.steps += 1
         with timer.phase("schedule"):
             scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         with timer.phase("update"):
             return self.scheduler.update_from_output(scheduler_output, runner_output)
 
@@ -86,6 +100,10 @@ class EngineCore:
     def get_stats(self) -> dict:
         return self.make_stats().to_dict()
 
+    def check_health(self) -> None:
+        """Raises executor.base.WorkerFailedError if a worker is gone."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
-        """Stop the runner's background work (the KV-pool prefault thread). Idempotent."""
-        self.runner.shutdown()
+        """Stop the workers (and the runners' KV-pool prefault threads). Idempotent."""
+        self.executor.shutdown()

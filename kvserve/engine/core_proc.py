@@ -26,6 +26,7 @@ from kvserve.engine.messages import (
     encoder,
     to_core_decoder,
 )
+from kvserve.executor.base import WorkerFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,12 @@ def run_engine_core(
         from kvserve.engine.core import EngineCore
 
         core = EngineCore(config)
-        outputs.send(encoder.encode(Ready(core.runner.num_blocks, core.max_tokens_per_request)))
+        outputs.send(encoder.encode(Ready(core.num_blocks, core.max_tokens_per_request)))
         _busy_loop(core, inputs, outputs, parent)
+    except WorkerFailedError as e:
+        # The frontend sees this process exit and fails every pending request; the log says why.
+        logger.error("engine core stops: %s", e)
+        raise SystemExit(1) from None
     finally:
         if core is not None:
             core.shutdown()
@@ -98,6 +103,8 @@ def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> No
         if os.getppid() != parent:
             logger.warning("frontend process is gone; engine core exits")
             return
+        if not handled_input and not core.has_unfinished_requests():
+            core.check_health()  # an idle engine notices a dead worker too (it raises, ending this process)
         step_outputs = core.step() if core.has_unfinished_requests() else []
         if step_outputs or handled_input:
             outputs.send(encoder.encode(CoreOutputs(step_outputs, core.make_stats())))

@@ -48,6 +48,10 @@ class LLM:
         llm.engine = LLMEngine.from_engine_args(args)
         return llm
 
+    def shutdown(self) -> None:
+        """Stop the engine's workers (worker processes or actors with tensor parallelism). Idempotent."""
+        self.engine.engine_core.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

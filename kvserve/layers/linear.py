@@ -74,11 +74,15 @@ class Linear(nn.Module):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + bias in whichever weight form this module holds (a row-parallel layer adds its bias later)."""
         if self._panels is not None:
-            return self._kernels.linear_packed(x, self._panels, self.out_features, self.bias)
+            return self._kernels.linear_packed(x, self._panels, self.out_features, bias)
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
         form = ", oneDNN-packed" if self._packed is not None else ", panels" if self._panels is not None else ""

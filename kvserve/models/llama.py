@@ -3,6 +3,11 @@
 Differences between the family members are flags on ArchConfig: `attention_bias` (Qwen2's q/k/v biases) and
 `qk_norm` (Qwen3's per-head RMSNorm on q and k before RoPE). q/k/v and gate/up projections are fused into one
 matmul each; `load_weights` maps HF tensor names onto the fused shards.
+
+Tensor parallelism (kvserve/layers/parallel_linear.py): q/k/v and gate/up are column-parallel, o_proj and
+down_proj row-parallel (one all-reduce each per layer), the embedding and LM head vocabulary-parallel. The layers
+read the process's TP group when they are built; with a group of one they are plain linears. Each parameter loads
+its own slice of a checkpoint tensor through its `weight_loader`.
 """
 
 from __future__ import annotations
@@ -16,10 +21,18 @@ from torch import nn
 
 from kvserve.attention.base import AttentionBackend, KVCache
 from kvserve.config import ArchConfig
+from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
+from kvserve.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
 
 logger = logging.getLogger(__name__)
 
@@ -27,14 +40,19 @@ logger = logging.getLogger(__name__)
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias
+        )
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False, input_slice=self.qkv_proj.q_input_slice
+        )
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -63,8 +81,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size], bias=False
+        )
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +120,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -111,7 +131,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, backend, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = get_tp_group()
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             # Registered after `model`, so named_parameters() lists it once, as model.embed_tokens.weight.
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -140,11 +161,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (pre-norm) -> logits [N, vocab] in fp32."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        logits = self.lm_head(self.model.norm(hidden)).float()
+        return gather_logits(logits, self.config.vocab_size, self.tp)
 
     # ------------------------------------------------------------------ weights
 
-    # HF name fragment -> (fused parameter fragment, shard index)
+    # HF name fragment -> (fused parameter fragment, shard index: q/k/v = 0/1/2, gate/up = 0/1)
     _STACKED = {
         ".q_proj.": (".qkv_proj.", 0),
         ".k_proj.": (".qkv_proj.", 1),
@@ -170,11 +192,12 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            loader = getattr(param, "weight_loader", default_weight_loader)
             with torch.no_grad():
-                if shard is None:
-                    _checked_copy(param, tensor, name)
-                else:
-                    _checked_copy(param.narrow(0, *self._shard_range(target, shard)), tensor, name)
+                try:
+                    loader(param, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"shape mismatch for {name}: {e}") from None
             filled.add(f"{target}#{shard}")
         missing = []
         for pname in params:
@@ -195,18 +218,3 @@ class LlamaForCausalLM(nn.Module):
         if ".gate_up_proj." in pname:
             return 2
         return None
-
-    def _shard_range(self, pname: str, shard: int) -> tuple[int, int]:
-        cfg = self.config
-        if ".qkv_proj." in pname:
-            q = cfg.num_attention_heads * cfg.head_dim
-            kv = cfg.num_key_value_heads * cfg.head_dim
-            return [(0, q), (q, kv), (q + kv, kv)][shard]
-        inter = cfg.intermediate_size
-        return (shard * inter, inter)
-
-
-def _checked_copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(src.shape)} vs model {tuple(dst.shape)}")
-    dst.copy_(src)

@@ -39,12 +39,18 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_blocks_for(cache_config: CacheConfig, backend: AttentionBackend, num_layers: int, dtype: torch.dtype) -> int:
+def num_blocks_for(
+    cache_config: CacheConfig, backend: AttentionBackend, num_layers: int, dtype: torch.dtype, num_ranks: int = 1
+) -> int:
+    """Blocks of `backend`'s layout that fit the budget; with `num_ranks` tensor-parallel ranks each holds its
+    heads' share of every block and gets 1/num_ranks of the budget, so TP changes neither the memory used nor (with
+    the heads split evenly) the number of blocks."""
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
     budget = cache_config.kv_cache_memory
     if budget is None:
         budget = min(int(available_memory() * _DEFAULT_FRACTION), _DEFAULT_CAP)
+    budget //= num_ranks
     per_block = bytes_per_block(backend, cache_config.block_size, num_layers, dtype)
     num_blocks = budget // per_block
     if num_blocks < 1:

@@ -23,6 +23,8 @@ from kvserve.attention.base import AttentionInputs, KVCache
 from kvserve.attention.selector import get_attn_backend
 from kvserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.sched_output import SchedulerOutput
+from kvserve.distributed.parallel_state import get_tp_group
+from kvserve.distributed.sharding import head_slice
 from kvserve.kv_transfer.base import KVConnectorInfo
 from kvserve.layers.quant.apply import model_weight_bytes
 from kvserve.loader.model_loader import load_model
@@ -65,16 +67,21 @@ class ModelRunner:
         timer: StepTimer | None = None,
         spec_config: SpeculativeConfig | None = None,
         kv_transfer_config: KVTransferConfig | None = None,
+        allocate_kv_cache: bool = True,
     ) -> None:
+        """`allocate_kv_cache=False`: the owner sizes the pool (determine_num_kv_blocks, e.g. the minimum over
+        tensor-parallel ranks) and calls initialize_kv_cache itself."""
         self.timer = timer or StepTimer()
         self.model_config = model_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.dtype = getattr(torch, model_config.dtype)
         arch = model_config.arch
-        self.attn_backend = get_attn_backend(
-            arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, self.dtype
-        )
+        tp = get_tp_group()
+        self.tp_size = tp.world_size
+        # This rank's heads: the attention backend and the KV cache see only them.
+        heads = head_slice(arch.num_attention_heads, arch.num_key_value_heads, tp.world_size, tp.rank)
+        self.attn_backend = get_attn_backend(heads.num_heads, heads.num_kv_heads, arch.head_dim, self.dtype)
         start = time.perf_counter()
         self.model = load_model(model_config, self.attn_backend)
         logger.info("loaded %s in %.1fs", model_config.model, time.perf_counter() - start)
@@ -103,10 +110,6 @@ class ModelRunner:
             cdiv(model_config.max_model_len, self.block_size),
         )
         num_layers = arch.num_hidden_layers
-        self.num_blocks = num_blocks_for(cache_config, self.attn_backend, num_layers, self.dtype)
-        self.kv_caches: list[KVCache] = allocate_kv_cache(
-            self.attn_backend, self.num_blocks, self.block_size, num_layers, self.dtype, device="cpu"
-        )
         block_bytes = bytes_per_block(self.attn_backend, self.block_size, num_layers, self.dtype)
         # Everything that decides what a block's bytes mean: KV saved under another one must never be loaded.
         layout_id = (
@@ -117,11 +120,30 @@ class ModelRunner:
         self.kv_connector_info = KVConnectorInfo(self.block_size, num_layers, block_bytes, layout_id)
         swap = scheduler_config.preemption_mode == "swap"
         self.num_swap_blocks = cache_config.swap_space // block_bytes if swap else 0
-        self.kv_transfer = KVTransfer(self.kv_caches, self.kv_connector_info, self.num_swap_blocks, kv_transfer_config)
+        self._kv_transfer_config = kv_transfer_config
+        self.kv_transfer: KVTransfer | None = None  # with the KV cache (initialize_kv_cache)
+        self.num_blocks = 0
+        self.kv_caches: list[KVCache] = []
         self._prefault_stop = threading.Event()
         self._prefault_thread: threading.Thread | None = None
-        if cache_config.kv_prefault != "off":
-            self.prefault_kv_cache(background=cache_config.kv_prefault == "background")
+        if allocate_kv_cache:
+            self.initialize_kv_cache(self.determine_num_kv_blocks())
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks this rank's share of the KV budget holds (the budget is the engine's, split over the ranks)."""
+        arch = self.model_config.arch
+        return num_blocks_for(self.cache_config, self.attn_backend, arch.num_hidden_layers, self.dtype, self.tp_size)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_cache(
+            self.attn_backend, num_blocks, self.block_size, self.model_config.arch.num_hidden_layers, self.dtype, "cpu"
+        )
+        self.kv_transfer = KVTransfer(
+            self.kv_caches, self.kv_connector_info, self.num_swap_blocks, self._kv_transfer_config
+        )
+        if self.cache_config.kv_prefault != "off":
+            self.prefault_kv_cache(background=self.cache_config.kv_prefault == "background")
 
     def prefault_kv_cache(self, background: bool = False) -> None:
         """Fault the whole KV pool in now (benchmarks, before timing) or from a daemon thread (the server, which
@@ -138,7 +160,8 @@ class ModelRunner:
         """Stop the background KV prefault (it ends within one 64 MiB chunk) and wait for it. The owner calls this
         when it shuts down. Idempotent; steps may still run afterwards (untouched pages fault in on first use)."""
         self._prefault_stop.set()
-        self.kv_transfer.shutdown()
+        if self.kv_transfer is not None:
+            self.kv_transfer.shutdown()
         if self._prefault_thread is not None:
             self._prefault_thread.join()
             self._prefault_thread = None
@@ -148,6 +171,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         timer = self.timer
+        assert self.kv_transfer is not None, "initialize_kv_cache comes first"
         with timer.phase("prepare_inputs"):
             self._apply_scheduler_output(so)
             self.kv_transfer.before_forward(so)

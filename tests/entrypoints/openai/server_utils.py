@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -75,6 +76,8 @@ class Server:
         spec = os.environ.get("KVSERVE_TEST_SPECULATIVE_CONFIG")
         if spec and "--speculative-config" not in extra:
             cmd += ["--speculative-config", spec]
+        # KVSERVE_TEST_SERVE_ARGS='--tensor-parallel-size 2' runs every server test with those flags added.
+        cmd += shlex.split(os.environ.get("KVSERVE_TEST_SERVE_ARGS", ""))
         self.log_path = f"/tmp/kvserve-test-server-{self.port}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)

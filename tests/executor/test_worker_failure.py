@@ -1,0 +1,83 @@
+"""A tensor-parallel worker killed mid-request: the server reports the engine dead on /health (503) within 5 s,
+every in-flight request ends with an error, and no process is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+
+from tests.entrypoints.openai.server_utils import Server, all_gone, child_pids
+
+
+def worker_pids(server: Server) -> list[int]:
+    pids = []
+    for pid in child_pids(server.engine_core_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                pids.append(pid)
+    return pids
+
+
+def test_killing_a_worker_fails_health_and_in_flight_requests(tiny_model_factory):
+    model = tiny_model_factory("llama-gqa-untied")
+    server = Server(
+        model,
+        *("--dtype", "float32", "--max-model-len", "512", "--max-num-batched-tokens", "16"),
+        *("--tensor-parallel-size", "2"),
+    )
+    try:
+        workers = worker_pids(server)
+        assert len(workers) == 2, workers
+        engine_pids = server.engine_pids + workers
+        client = server.client(timeout=30)
+        outcome: dict[str, object] = {}
+
+        def streaming():
+            try:
+                for _ in client.completions.create(
+                    model=model, prompt="Tell me", max_tokens=480, stream=True, extra_body={"ignore_eos": True}
+                ):
+                    pass
+                outcome["stream"] = "completed"
+            except openai.APIError as e:
+                outcome["stream"] = e
+            outcome["stream_t"] = time.time()
+
+        def blocking():
+            try:
+                client.completions.create(model=model, prompt=[7] * 20, max_tokens=480, extra_body={"ignore_eos": True})
+                outcome["plain"] = "completed"
+            except openai.APIStatusError as e:
+                outcome["plain"] = e
+            outcome["plain_t"] = time.time()
+
+        threads = [threading.Thread(target=streaming), threading.Thread(target=blocking)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 20
+        while server.metric("kvserve:num_requests_running") < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        os.kill(workers[1], signal.SIGKILL)  # rank 1; both requests are mid-generation
+        killed = time.time()
+        health = None
+        while time.time() - killed < 5:
+            health = httpx.get(f"{server.url}/health", timeout=5)
+            if health.status_code == 503:
+                break
+            time.sleep(0.05)
+        assert health is not None and health.status_code == 503, "health did not turn 503 within 5 s"
+        assert health.json()["error"]["type"] == "EngineDeadError"
+        for t in threads:
+            t.join(10)
+        assert isinstance(outcome["stream"], openai.APIError), outcome
+        assert isinstance(outcome["plain"], openai.APIStatusError) and outcome["plain"].status_code == 503
+        assert outcome["stream_t"] - killed < 5 and outcome["plain_t"] - killed < 5
+        assert "worker 1" in server.log()  # the engine core says which worker failed
+    finally:
+        assert server.stop() == 0, server.log()
+    assert all_gone(engine_pids), "an engine or worker process outlived the server"
