@@ -122,7 +122,8 @@ class Scheduler:
             num_known = request.num_tokens - request.num_computed_tokens
             assert num_known > 0, f"running request {request.request_id} has nothing to compute"
             num_new = min(num_known + num_drafts.get(request.request_id, 0), budget)
-            while (new_block_ids := self.kv.allocate_slots(request, num_new)) is None:
+            lookahead = self._lookahead(request.num_computed_tokens + num_new)
+            while (new_block_ids := self.kv.allocate_slots(request, num_new, None, lookahead)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
@@ -147,7 +148,9 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             assert request.num_computed_tokens == 0
-            block_ids = self.kv.allocate_slots(request, num_new, computed_blocks)
+            block_ids = self.kv.allocate_slots(
+                request, num_new, computed_blocks, self._lookahead(num_hit_tokens + num_new)
+            )
             if block_ids is None:
                 break
             self.waiting.popleft()
@@ -269,6 +272,14 @@ class Scheduler:
         return False
 
     # ---------------------------------------------------------------- helpers
+
+    def _lookahead(self, num_tokens_after_step: int) -> int:
+        """KV slots a model proposer writes past the step's tokens: its K draft steps (none for n-gram, which
+        runs no model), within max_model_len."""
+        spec = self.spec_config
+        if spec is None or spec.method == "ngram":
+            return 0
+        return max(0, min(spec.num_speculative_tokens, self.config.max_model_len - num_tokens_after_step))
 
     def _max_drafts(self, request: Request) -> int:
         """Drafts that fit: 1 + k tokens are emitted at most, within max_tokens and max_model_len."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, fields, replace
 
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
@@ -190,7 +191,46 @@ class EngineArgs:
         if spec is not None and not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(spec).__name__}")
         speculative = SpeculativeConfig.from_dict(spec) if spec else None
+        if speculative is not None and speculative.method != "ngram":
+            speculative = replace(speculative, draft=draft_model_config(speculative, model))
         return EngineConfig(model=model, cache=cache, scheduler=scheduler, threads=threads, speculative=speculative)
+
+
+def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+    """The draft model's (draft_model) or EAGLE head's (eagle) ModelConfig: dtype, seed and max_model_len are the
+    target's; the vocabulary must be the target's too."""
+    if spec.method == "eagle":
+        from kvserve.spec_decode.eagle import default_head_dir
+
+        path = spec.model or default_head_dir(target.model)
+        if not os.path.isdir(path):
+            hint = "run scripts/train_eagle_head.py to fit one" if spec.model is None else "check the path"
+            raise ValueError(f"speculative_config: no EAGLE head at {path} ({hint}, or pass 'model')")
+        # The head is one decoder layer of the target's shape (kvserve.spec_decode.eagle).
+        return replace(target, model=path, path=path, format="hf", arch=replace(target.arch, num_hidden_layers=1))
+    assert spec.model is not None
+    path = resolve_model_path(spec.model)
+    gguf_path = find_gguf(path)
+    arch = gguf_arch_config(gguf_path) if gguf_path is not None else arch_config_from_hf(*read_hf_folder_config(path))
+    if arch.vocab_size != target.arch.vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model's vocabulary ({arch.vocab_size}) differs from the target's "
+            f"({target.arch.vocab_size})"
+        )
+    if arch.max_position_embeddings < target.max_model_len:
+        raise ValueError(
+            f"speculative_config: the draft model's max_position_embeddings ({arch.max_position_embeddings}) is "
+            f"below max_model_len ({target.max_model_len})"
+        )
+    return replace(
+        target,
+        model=spec.model,
+        path=gguf_path or path,
+        format="gguf" if gguf_path is not None else "hf",
+        tokenizer=gguf_path or path,
+        arch=arch,
+        quantization=target.quantization,
+    )
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
