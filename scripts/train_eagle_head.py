@@ -46,8 +46,9 @@ def doc_prompts(tokenizer, num: int, rng: random.Random) -> list[list[int]]:
         start = rng.randrange(max(1, len(ids) - 200))
         snippet = tokenizer.decode(ids[start : start + rng.randint(60, 200)])
         messages = [{"role": "user", "content": f"{rng.choice(_DOC_INSTRUCTIONS)}\n\n{snippet}"}]
-        out.append(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
-    return [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in out]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer.encode(prompt, add_special_tokens=False))
+    return out
 
 
 def main() -> None:

@@ -33,6 +33,4 @@ def build_proposer(
         return DraftModelProposer(config.draft, k, num_blocks, block_size, max_model_len, generator)
     from kvserve.spec_decode.eagle import EagleProposer
 
-    return EagleProposer(
-        config.draft.path, target, backend, k, num_blocks, block_size, dtype, max_model_len, generator
-    )
+    return EagleProposer(config.draft.path, target, backend, k, num_blocks, block_size, dtype, max_model_len, generator)

@@ -28,10 +28,10 @@ from torch import nn
 from kvserve.attention.base import AttentionBackend, KVCache
 from kvserve.config import ArchConfig
 from kvserve.layers.linear import Linear
+from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.loader.default_model import cache_dir
 from kvserve.loader.safetensors_weights import iterate_safetensors
 from kvserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, _checked_copy
-from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.spec_decode.model_proposer import DraftStepInputs, ModelProposer
 
 _IGNORED = ("layers.0.input_layernorm.weight", "embed_tokens.weight", "lm_head.weight")

@@ -126,9 +126,7 @@ def train_head(
         epochs += 1
     accuracy = _top1(head, embed, lm_head, [sequences[i] for i in val], [features[i] for i in val])
     num_tokens = sum(len(s) for s in sequences)
-    return head, TrainResult(
-        len(sequences), num_tokens, epochs, time.perf_counter() - start, loss_value, accuracy
-    )
+    return head, TrainResult(len(sequences), num_tokens, epochs, time.perf_counter() - start, loss_value, accuracy)
 
 
 def _inputs(embed, seq: list[int], feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

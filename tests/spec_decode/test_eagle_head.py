@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors.torch import save_file
 
 from kvserve.attention.base import AttentionInputs
 from kvserve.attention.selector import get_attn_backend
@@ -14,7 +15,6 @@ from kvserve.loader.arch_config import arch_config_from_hf
 from kvserve.spec_decode.eagle import load_eagle_head
 from kvserve.spec_decode.eagle_train import EagleReference
 from kvserve.worker.kv_cache import allocate_kv_cache
-from safetensors.torch import save_file
 
 
 def hf_config() -> transformers.LlamaConfig:
