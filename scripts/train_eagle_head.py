@@ -4,8 +4,7 @@
 
 1. kvserve generates greedy replies to local prompts: "repeat this code" over kvserve's source files (other
    snippets than the benchmark's, which uses seed 0) and "explain / summarise / continue" over docs/*.md;
-2. HF transformers (the same GGUF, dequantised to fp32) gives the target's final hidden states for every
-   prompt + reply;
+2. kvserve gives the target's final hidden states for every prompt + reply (one prefill each);
 3. kvserve.spec_decode.eagle_train fits the head for --train-seconds of CPU time and writes it, in the published
    EAGLE layout, to the folder `speculative_config={"method": "eagle"}` looks in by default
    (KVSERVE_CACHE_DIR or ~/.cache/kvserve, then eagle/smollm2-135m-instruct). About 17 MB, so not in git.
@@ -16,18 +15,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import pathlib
 import random
 import time
 
-import torch
-
 from kvserve import LLM, SamplingParams
 from kvserve.benchmarks.datasets import DatasetSpec, build_dataset
-from kvserve.loader.default_model import DEFAULT_MODEL, resolve_model_path
+from kvserve.loader.default_model import DEFAULT_MODEL
 from kvserve.spec_decode.eagle import default_head_dir
-from kvserve.spec_decode.eagle_train import save_head, target_features, train_head
+from kvserve.spec_decode.eagle_train import (
+    embedding_and_lm_head,
+    hf_llama_config,
+    save_head,
+    target_features,
+    train_head,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _DOC_INSTRUCTIONS = (
@@ -64,7 +66,8 @@ def main() -> None:
     rng = random.Random(ns.seed)
     t0 = time.perf_counter()
 
-    llm = LLM(DEFAULT_MODEL, max_model_len=1024)
+    # No prefix caching: the feature pass must compute every position of every sequence.
+    llm = LLM(DEFAULT_MODEL, max_model_len=1024, enable_prefix_caching=False)
     tok = llm.get_tokenizer()
     num_copy = ns.num_prompts // 2
     copy = build_dataset(
@@ -77,23 +80,15 @@ def main() -> None:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     sequences = [p + o.outputs[0].token_ids for p, o in zip(prompts, outputs, strict=True)]
     t_gen = time.perf_counter() - t0
+    feats = target_features(llm, sequences)
+    t_feat = time.perf_counter() - t0 - t_gen
+    model_config = llm.engine.engine_core.config.model
     del llm
 
-    import transformers
-
-    gguf = resolve_model_path(DEFAULT_MODEL)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf),
-        gguf_file=os.path.basename(gguf),
-        dtype=torch.float32,
-        quantization_config=transformers.GgufConfig(dequantize=True),
-    ).eval()
-    hf.requires_grad_(False)
-    feats = target_features(hf, sequences)
-    t_feat = time.perf_counter() - t0 - t_gen
-
-    head, result = train_head(hf, sequences, feats, ns.train_seconds, seed=ns.seed)
-    save_head(head, hf.config, out, result)
+    config = hf_llama_config(model_config.arch)
+    embed, lm_head = embedding_and_lm_head(model_config)
+    head, result = train_head(config, embed, lm_head, sequences, feats, ns.train_seconds, seed=ns.seed)
+    save_head(head, config, out, result)
     summary = {
         **result.__dict__,
         "generate_seconds": round(t_gen, 1),

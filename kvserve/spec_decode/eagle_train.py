@@ -6,8 +6,11 @@ kvserve's `EagleHead` unchanged, and tests use it as the reference for the paged
 
 Training (EAGLE's recipe, shortened for a CPU budget of minutes): at position i the head gets the embedding of
 token i + 1 and the target's final hidden state h_i (after the norm, slightly noised so the head tolerates its
-own errors when it drafts several tokens from its own features); the loss is SmoothL1(pred_i, h_{i+1}) plus 0.1 x
-the cross-entropy of the target's LM head on pred_i against the target's own distribution at i + 1.
+own errors when it drafts several tokens from its own features); the loss is SmoothL1(pred_i, h_{i+1}) (features
+scaled to unit std) plus `ce_weight` x the cross-entropy of the target's LM head on pred_i against the target's
+own distribution at i + 1. The head starts as the identity on the feature (fc = [0 | I], attention and MLP
+outputs zero), i.e. "the next feature is this one", and learns the difference. The target's hidden states come
+from kvserve itself (a forward hook on its model during one prefill per sequence).
 """
 
 from __future__ import annotations
@@ -63,41 +66,93 @@ class TrainResult:
     top1_accuracy: float  # held-out: argmax of the head's logits == the target's argmax at i + 1
 
 
+def hf_llama_config(arch):
+    """An HF LlamaConfig of the target's shape (kvserve ArchConfig), one layer: the head's config."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        rms_norm_eps=arch.rms_norm_eps,
+        rope_theta=arch.rope_theta,
+        rope_scaling=arch.rope_scaling,
+        max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def embedding_and_lm_head(model_config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding and LM head matrices [vocab, hidden] fp32, read from its checkpoint (the loaded
+    model keeps its LM head only in packed form)."""
+    from kvserve.loader.gguf_weights import iterate_gguf
+    from kvserve.loader.safetensors_weights import iterate_safetensors
+
+    weights = (
+        iterate_gguf(model_config.path, model_config.arch)
+        if model_config.format == "gguf"
+        else iterate_safetensors(model_config.path)
+    )
+    found = {n: t.float() for n, t in weights if n in ("model.embed_tokens.weight", "lm_head.weight")}
+    embed = found["model.embed_tokens.weight"]
+    return embed, found.get("lm_head.weight", embed)
+
+
 @torch.no_grad()
-def target_features(hf_model, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """The target's last hidden state after its final norm, per sequence: [L, hidden] fp32."""
+def target_features(llm, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """The target's last hidden state after its final norm, per sequence: [L, hidden] fp32, from one kvserve
+    prefill of each sequence (prefix caching must be off, so that every position is computed)."""
+    from kvserve.sampling_params import SamplingParams
+
+    model = llm.engine.engine_core.runner.model
+    captured: list[torch.Tensor] = []
+    handle = model.register_forward_hook(lambda _m, _args, out: captured.append(out.clone()))
     out = []
-    for seq in sequences:
-        h = hf_model.model(torch.tensor([seq])).last_hidden_state[0]
-        out.append(h.float())
+    try:
+        for seq in sequences:
+            captured.clear()
+            llm.generate({"prompt_token_ids": seq}, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+            hidden = torch.cat(captured)[: len(seq)]  # the prefill steps of this sequence alone, in order
+            out.append(model.model.norm(hidden).float())
+    finally:
+        handle.remove()
     return out
 
 
 def train_head(
-    hf_model,
+    hf_config,
+    embed_weight: torch.Tensor,  # [vocab, hidden]
+    lm_head_weight: torch.Tensor,  # [vocab, hidden]
     sequences: list[list[int]],
     features: list[torch.Tensor],
     train_seconds: float,
-    lr: float = 1e-3,
+    lr: float = 2e-3,
     noise: float = 0.05,
+    ce_weight: float = 0.5,
     seed: int = 0,
 ) -> tuple[EagleReference, TrainResult]:
     """Fit a head on all but a held-out tenth of the sequences for about `train_seconds` of wall time."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    embed = hf_model.model.embed_tokens
-    lm_head = hf_model.lm_head
-    head = EagleReference(hf_model.config)
+    embed = nn.Embedding.from_pretrained(embed_weight)
+    lm_head = nn.Linear(embed_weight.shape[1], embed_weight.shape[0], bias=False)
+    lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
+    head = EagleReference(hf_config)
+    scale = torch.cat(features).std().item()
     with torch.no_grad():
-        # Start from "pass the feature through": fc = [0 | I], and the target's last layer's weights.
-        hidden = hf_model.config.hidden_size
+        hidden = hf_config.hidden_size
         head.fc.weight.zero_()
         head.fc.weight[:, hidden:] = torch.eye(hidden)
         head.fc.weight[:, :hidden].normal_(0.0, 0.01)
         head.fc.bias.zero_()
-        last = hf_model.model.layers[-1]
-        own = head.layers[0].state_dict()
-        head.layers[0].load_state_dict({k: v for k, v in last.state_dict().items() if k in own}, strict=False)
+        layer = head.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
     order = list(range(len(sequences)))
     rng.shuffle(order)
     num_val = max(1, len(order) // 10)
@@ -115,7 +170,7 @@ def train_head(
             # Cosine decay over the budget.
             for g in opt.param_groups:
                 g["lr"] = lr * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * elapsed / train_seconds)).item())
-            loss = _loss(head, embed, lm_head, sequences[i], features[i], noise)
+            loss = _loss(head, embed, lm_head, sequences[i], features[i], noise * scale, scale, ce_weight)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -134,17 +189,19 @@ def _inputs(embed, seq: list[int], feats: torch.Tensor) -> tuple[torch.Tensor, t
     return embed(ids)[None].float(), feats[:-1][None]
 
 
-def _loss(head, embed, lm_head, seq: list[int], feats: torch.Tensor, noise: float) -> torch.Tensor:
+def _loss(
+    head, embed, lm_head, seq: list[int], feats: torch.Tensor, noise: float, scale: float, ce_weight: float
+) -> torch.Tensor:
     with torch.no_grad():
         e, f = _inputs(embed, seq, feats)
         f = f + noise * torch.randn_like(f)
         target = feats[1:][None]
         p_target = torch.softmax(lm_head(target), dim=-1)
     pred = head(e, f)
-    reg = torch.nn.functional.smooth_l1_loss(pred, target)
+    reg = torch.nn.functional.smooth_l1_loss(pred / scale, target / scale)
     logp = torch.log_softmax(lm_head(pred), dim=-1)
     ce = -(p_target * logp).sum(-1).mean()
-    return reg + 0.1 * ce
+    return reg + ce_weight * ce
 
 
 @torch.no_grad()
@@ -164,10 +221,7 @@ def save_head(head: EagleReference, hf_config, folder: str, result: TrainResult)
 
     os.makedirs(folder, exist_ok=True)
     save_file(head.checkpoint(), os.path.join(folder, "model.safetensors"))
-    config = hf_config.to_dict()
-    config["num_hidden_layers"] = 1
-    config["architectures"] = ["LlamaForCausalLM"]
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f, indent=1, default=str)
+        json.dump(hf_config.to_dict(), f, indent=1, default=str)
     with open(os.path.join(folder, "train_result.json"), "w") as f:
         json.dump(result.__dict__, f, indent=1)

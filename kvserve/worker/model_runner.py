@@ -25,6 +25,7 @@ from kvserve.attention.base import AttentionInputs, KVCache
 from kvserve.attention.selector import get_attn_backend
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.sched_output import SchedulerOutput
+from kvserve.core.spec_decode import SpecDecodePolicy
 from kvserve.layers.quant.apply import model_weight_bytes
 from kvserve.loader.model_loader import load_model
 from kvserve.outputs import ModelRunnerOutput
@@ -104,6 +105,7 @@ class ModelRunner:
             self.attn_backend, self.num_blocks, self.block_size, num_layers, self.dtype, device="cpu"
         )
         self.proposer: Proposer | ModelProposer | None = None
+        self.spec_policy = SpecDecodePolicy(spec_config) if spec_config is not None else None
         if spec_config is not None:
             self.proposer = build_proposer(
                 spec_config,
@@ -217,7 +219,11 @@ class ModelRunner:
         assert self.proposer is not None
         drafts: list[list[int]] = [[] for _ in step.req_ids]
         if isinstance(self.proposer, ModelProposer):
-            # Runs even when no request samples: its KV must cover every position the target computed.
+            assert self.spec_policy is not None
+            # Runs even when no request samples: its KV must cover every position the target computed. The
+            # draft steps are skipped when the scheduler's rule will verify no drafts at this batch size.
+            drafting = self.spec_policy.draft_token_budget(len(step.sample_idx)) > 0
+            drafted_idx = step.sample_idx if drafting else step.sample_idx[:0]
             proposal = self.proposer.propose(
                 DraftStepInputs(
                     self.batch,
@@ -229,10 +235,10 @@ class ModelRunner:
                     step.attn_inputs,
                     step.attn_metadata,
                     hidden,
-                    step.sample_idx,
+                    drafted_idx,
                 )
             )
-            for i, d in zip(step.sample_idx.tolist(), proposal.drafts, strict=True):
+            for i, d in zip(drafted_idx.tolist(), proposal.drafts, strict=True):
                 drafts[i] = d
         elif len(step.sample_idx):
             rows = step.rows[step.sample_idx]
