@@ -204,7 +204,7 @@ class Scheduler:
             if budget <= 0:
                 break
             if request.spec_token_ids:
-                n = min(len(request.spec_token_ids), policy.limit(request.spec_acceptance_ema), budget)
+                n = min(len(request.spec_token_ids), policy.limit(request.spec_acceptance_ema, len(decodes)), budget)
                 plan[request.request_id] = n
                 budget -= n
         return plan

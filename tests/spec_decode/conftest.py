@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 TARGET = "llama-loops"
 
@@ -43,3 +45,17 @@ def target_path(tiny_model_factory) -> str:
 def eagle_head_path(tmp_path_factory) -> str:
     # llama-loops: hidden 64, 4 heads of 16, 2 KV heads, intermediate 128 (tests/conftest.py).
     return random_eagle_head(str(tmp_path_factory.mktemp("eagle-head")), 64, 4, 2, 16, 128)
+
+
+@pytest.fixture(scope="session")
+def noisy_draft_path(target_path, tmp_path_factory) -> str:
+    """The target with noise on its LM head: a draft whose distributions q are close to p but not equal, so
+    the rejection sampler both accepts and rejects."""
+    folder = tmp_path_factory.mktemp("noisy-draft")
+    shutil.copytree(target_path, folder, dirs_exist_ok=True)
+    weights = load_file(f"{folder}/model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    head = weights["lm_head.weight"]
+    weights["lm_head.weight"] = head + 0.5 * head.std() * torch.randn(head.shape, generator=g)
+    save_file(weights, f"{folder}/model.safetensors")
+    return str(folder)

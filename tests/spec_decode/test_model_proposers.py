@@ -83,11 +83,11 @@ def test_draft_of_itself_accepts_everything(target_path, plain):
     assert stats["acceptance_rate"] > 0.95, stats
 
 
-def test_sampled_distribution_matches(target_path, plain):
-    """Full draft distributions q (the draft is the target at another temperature, so q != p): the tokens at
+def test_sampled_distribution_matches(target_path, noisy_draft_path, plain):
+    """Full draft distributions q (the draft is the target with a noisy LM head, so q != p): the tokens at
     output positions 1-3 are distributed as without speculation (two-sample chi-square)."""
     llm = LLM(
-        target_path, dtype="float32", max_model_len=256, speculative_config=spec_config("draft_model", target_path)
+        target_path, dtype="float32", max_model_len=256, speculative_config=spec_config("draft_model", noisy_draft_path)
     )
     prompt = {"prompt_token_ids": [11, 12, 13, 14] * 4}
     params = SamplingParams(max_tokens=4, temperature=1.5, top_k=6, ignore_eos=True, n=600)
