@@ -175,7 +175,7 @@ def train_head(
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
-            loss_value = float(loss)
+            loss_value = loss.item()
             if n % 20 == 0:
                 logger.info("epoch %d seq %d/%d loss %.4f (%.0fs)", epochs, n, len(train), loss_value, elapsed)
         epochs += 1
