@@ -105,8 +105,11 @@ class KVTransferConfig:
 class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config` keys). Built by `SpeculativeConfig.from_dict`."""
 
-    method: str  # "ngram" (draft_model and eagle are not implemented yet)
+    method: str  # "ngram" | "draft_model" | "eagle"
     num_speculative_tokens: int  # K: most draft tokens per request and step
+    # draft_model: the draft model (folder, .gguf or embedded name); eagle: the EAGLE head's folder (None: the head
+    # that scripts/train_eagle_head.py fits for the embedded default model). vLLM's key name.
+    model: str | None = None
     prompt_lookup_min: int = 2  # n-gram: shortest suffix to match
     prompt_lookup_max: int = 4  # n-gram: longest suffix to match (tried first)
     # Speculate only while at most this many requests run (vLLM's name); None: no limit.
@@ -114,21 +117,24 @@ class SpeculativeConfig:
     # The measured rule of kvserve.core.spec_decode: fewer drafts per step as the batch grows, none for
     # requests whose drafts keep being rejected.
     adaptive: bool = True
+    # Resolved by EngineArgs from `model`: the draft model's (or the EAGLE head's) config.
+    draft: ModelConfig | None = field(default=None, hash=False)
 
     _METHODS = ("ngram", "draft_model", "eagle")
 
     @classmethod
     def from_dict(cls, d: dict) -> SpeculativeConfig:
         d = dict(d)
-        unknown = sorted(set(d) - {f for f in cls.__dataclass_fields__ if not f.startswith("_")} - {"model"})
+        unknown = sorted(set(d) - {f for f in cls.__dataclass_fields__ if not f.startswith("_")} - {"draft"})
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}")
         method = d.get("method") or ("ngram" if "prompt_lookup_max" in d or "prompt_lookup_min" in d else None)
         if method not in cls._METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(cls._METHODS)}, got {method!r}")
-        if method != "ngram":
-            raise ValueError(f"speculative_config: method {method!r} is not implemented yet (use 'ngram')")
-        d.pop("model", None)
+        if method == "draft_model" and not d.get("model"):
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (the draft model's path or name)")
+        if method == "ngram":
+            d.pop("model", None)
         d["method"] = method
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or k < 1:

@@ -67,9 +67,12 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVBlock] | None = None,
+        num_lookahead_tokens: int = 0,
         delay_caching: bool = False,
     ) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens after the request's computed ones.
+        """Make room for `num_new_tokens` more tokens after the request's computed ones, plus
+        `num_lookahead_tokens` slots past them that a draft model writes before the target computes them (vLLM's
+        name); those never count as computed or get hashed.
 
         Returns the ids of blocks appended to the request's table (hits first, then fresh blocks), or None
         when the pool cannot supply them, in which case nothing changed. `delay_caching`: the new blocks' tokens
@@ -80,7 +83,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
-        num_required = cdiv(num_total, self.block_size)
+        num_required = cdiv(num_total + num_lookahead_tokens, self.block_size)
         num_fresh = max(0, num_required - len(blocks) - len(new_computed_blocks))
         # Hits on free cached blocks leave the free queue too, so they count against the free supply.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

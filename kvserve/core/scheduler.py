@@ -158,7 +158,8 @@ class Scheduler:
             num_known = request.num_tokens - request.num_computed_tokens
             assert num_known > 0, f"running request {request.request_id} has nothing to compute"
             num_new = min(num_known + num_drafts.get(request.request_id, 0), budget)
-            while (new_block_ids := self.kv.allocate_slots(request, num_new)) is None:
+            lookahead = self._lookahead(request.num_computed_tokens + num_new)
+            while (new_block_ids := self.kv.allocate_slots(request, num_new, None, lookahead)) is None:
                 victim = self.running.pop()
                 swap_out += self._preempt(victim)
                 preempted.add(victim.request_id)
@@ -183,7 +184,9 @@ class Scheduler:
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget)
-                fresh = self.kv.allocate_slots(request, num_new)
+                fresh = self.kv.allocate_slots(
+                    request, num_new, None, self._lookahead(request.num_computed_tokens + num_new)
+                )
                 if fresh is None:
                     break
                 block_ids = self.kv.get_block_ids(request.request_id)
@@ -205,7 +208,9 @@ class Scheduler:
                     # Blocks to load into; they join the prefix cache only once loaded (never read before).
                     block_ids = self.kv.allocate_slots(request, num_external, computed_blocks, delay_caching=True)
                 else:
-                    block_ids = self.kv.allocate_slots(request, num_new, computed_blocks)
+                    block_ids = self.kv.allocate_slots(
+                        request, num_new, computed_blocks, self._lookahead(num_hit_tokens + num_new)
+                    )
                 if block_ids is None:
                     break
                 self.waiting.popleft()
@@ -272,7 +277,7 @@ class Scheduler:
             if budget <= 0:
                 break
             if request.spec_token_ids:
-                n = min(len(request.spec_token_ids), policy.limit(request.spec_acceptance_ema), budget)
+                n = min(len(request.spec_token_ids), policy.limit(request.spec_acceptance_ema, len(decodes)), budget)
                 plan[request.request_id] = n
                 budget -= n
         return plan
@@ -342,6 +347,14 @@ class Scheduler:
         return False
 
     # ---------------------------------------------------------------- helpers
+
+    def _lookahead(self, num_tokens_after_step: int) -> int:
+        """KV slots a model proposer writes past the step's tokens: its K draft steps (none for n-gram, which
+        runs no model), within max_model_len."""
+        spec = self.spec_config
+        if spec is None or spec.method == "ngram":
+            return 0
+        return max(0, min(spec.num_speculative_tokens, self.config.max_model_len - num_tokens_after_step))
 
     def _max_drafts(self, request: Request) -> int:
         """Drafts that fit: 1 + k tokens are emitted at most, within max_tokens and max_model_len."""

@@ -3,13 +3,17 @@
 Verifying k drafts costs k more query tokens in the step. While a step is memory-bound (reading the weights
 dominates) those tokens are nearly free, but past some number of tokens per step the forward becomes
 compute-bound and every draft token costs its share; a rejected one is then pure loss. The adaptive rule
-(measured on this CPU, figures in docs/benchmarks.md):
+(measured on this CPU with scripts/measure_step_cost.py, figures in docs/benchmarks.md):
 
+* the measured step cost is about b * (STEP_OVERHEAD_TOKENS + T) for T query tokens (kind A, SmolLM2 bf16: a
+  fixed ~16 ms, then ~0.75-0.9 ms per query token, drafts or decodes alike, from about 8 tokens on). With R
+  decodes a draft token costs b and earns its acceptance probability times the step's cost per emitted token,
+  b * (STEP_OVERHEAD_TOKENS + R) / R, so it pays only while the request's acceptance EMA exceeds
+  `break_even_acceptance(R)` = R / (STEP_OVERHEAD_TOKENS + R): 0.05 at R = 1, 0.44 at 16, 0.76 at 64;
+* a request under that (or under `MIN_ACCEPTANCE`) gets a single draft token as a probe, so it can recover when
+  its text becomes predictable again, but only while probes are cheap (at most `PROBE_MAX_DECODES` decodes);
 * a step verifies at most `draft_token_budget(num_decodes)` draft tokens in all: `FLAT_STEP_TOKENS` minus the
-  decodes, so drafts only fill the part of the step that costs about the same as a plain decode step; from
-  `FLAT_STEP_TOKENS` decodes on, no drafts at all;
-* a request whose recent drafts were mostly rejected (acceptance EMA below `MIN_ACCEPTANCE`) gets a single draft
-  token as a probe, so it can recover when its text becomes predictable again;
+  decodes (a cap against long verification steps; from `FLAT_STEP_TOKENS` decodes on, no drafts at all);
 * the budget goes to requests in order of their acceptance EMA, best first.
 """
 
@@ -19,8 +23,11 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SpeculativeConfig
 
-# Query tokens per step up to which a forward costs about as much as one decode (see the module docstring).
+# Most query tokens (decodes + drafts) in a step that verifies drafts (see the module docstring).
 FLAT_STEP_TOKENS = 32
+# The fixed part of a step's cost in units of one query token's cost (docs/benchmarks.md, step cost).
+STEP_OVERHEAD_TOKENS = 20
+PROBE_MAX_DECODES = 4
 MIN_ACCEPTANCE = 0.2
 _EMA_WEIGHT = 0.3  # weight of the newest step in a request's acceptance EMA
 
@@ -68,12 +75,20 @@ class SpecDecodePolicy:
             return num_decodes * config.num_speculative_tokens
         return max(0, FLAT_STEP_TOKENS - num_decodes)
 
-    def limit(self, acceptance_ema: float) -> int:
-        """Most drafts for a request with this acceptance EMA (before the step budget)."""
-        if self.config.adaptive and acceptance_ema < MIN_ACCEPTANCE:
-            return 1
-        return self.config.num_speculative_tokens
+    def limit(self, acceptance_ema: float, num_decodes: int = 1) -> int:
+        """Most drafts for a request with this acceptance EMA in a step of `num_decodes` decodes (before the step
+        budget)."""
+        if not self.config.adaptive:
+            return self.config.num_speculative_tokens
+        if acceptance_ema >= max(MIN_ACCEPTANCE, break_even_acceptance(num_decodes)):
+            return self.config.num_speculative_tokens
+        return 1 if num_decodes <= PROBE_MAX_DECODES else 0
 
     @staticmethod
     def update_ema(ema: float, num_draft_tokens: int, num_accepted: int) -> float:
         return (1 - _EMA_WEIGHT) * ema + _EMA_WEIGHT * (num_accepted / num_draft_tokens)
+
+
+def break_even_acceptance(num_decodes: int) -> float:
+    """The acceptance rate at which a draft token's expected gain equals its cost, with this many decodes."""
+    return num_decodes / (STEP_OVERHEAD_TOKENS + num_decodes)

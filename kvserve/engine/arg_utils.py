@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, fields, replace
 
 from kvserve.config import (
     EXECUTOR_BACKENDS,
@@ -221,6 +222,8 @@ class EngineArgs:
             raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(spec).__name__}")
         speculative = SpeculativeConfig.from_dict(spec) if spec else None
         kv_transfer = _kv_transfer_config(self.kv_transfer_config)
+        if speculative is not None and speculative.method != "ngram":
+            speculative = replace(speculative, draft=draft_model_config(speculative, model))
         return EngineConfig(
             model=model,
             cache=cache,
@@ -228,10 +231,10 @@ class EngineArgs:
             threads=threads,
             speculative=speculative,
             kv_transfer=kv_transfer,
-            parallel=self._parallel_config(arch, model.quantization),
+            parallel=self._parallel_config(arch, model.quantization, speculative),
         )
 
-    def _parallel_config(self, arch, quantization: str | None) -> ParallelConfig:
+    def _parallel_config(self, arch, quantization: str | None, speculative: SpeculativeConfig | None) -> ParallelConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
@@ -255,6 +258,10 @@ class EngineArgs:
                 "kv_transfer_config and preemption_mode='swap' need the uniproc executor (tensor_parallel_size 1) "
                 "for now"
             )
+        if tp > 1 and speculative is not None and speculative.method != "ngram":
+            raise ValueError(
+                f"speculative method {speculative.method} is not supported with tensor_parallel_size > 1 yet"
+            )
         return ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend)
 
 
@@ -273,6 +280,43 @@ def _kv_transfer_config(value: dict | str | None) -> KVTransferConfig | None:
     config = KVTransferConfig.from_dict(value)
     validate(config)
     return config
+
+
+def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+    """The draft model's (draft_model) or EAGLE head's (eagle) ModelConfig: dtype, seed and max_model_len are the
+    target's; the vocabulary must be the target's too."""
+    if spec.method == "eagle":
+        from kvserve.spec_decode.eagle import default_head_dir
+
+        path = spec.model or default_head_dir(target.model)
+        if not os.path.isdir(path):
+            hint = "run scripts/train_eagle_head.py to fit one" if spec.model is None else "check the path"
+            raise ValueError(f"speculative_config: no EAGLE head at {path} ({hint}, or pass 'model')")
+        # The head is one decoder layer of the target's shape (kvserve.spec_decode.eagle).
+        return replace(target, model=path, path=path, format="hf", arch=replace(target.arch, num_hidden_layers=1))
+    assert spec.model is not None
+    path = resolve_model_path(spec.model)
+    gguf_path = find_gguf(path)
+    arch = gguf_arch_config(gguf_path) if gguf_path is not None else arch_config_from_hf(*read_hf_folder_config(path))
+    if arch.vocab_size != target.arch.vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model's vocabulary ({arch.vocab_size}) differs from the target's "
+            f"({target.arch.vocab_size})"
+        )
+    if arch.max_position_embeddings < target.max_model_len:
+        raise ValueError(
+            f"speculative_config: the draft model's max_position_embeddings ({arch.max_position_embeddings}) is "
+            f"below max_model_len ({target.max_model_len})"
+        )
+    return replace(
+        target,
+        model=spec.model,
+        path=gguf_path or path,
+        format="gguf" if gguf_path is not None else "hf",
+        tokenizer=gguf_path or path,
+        arch=arch,
+        quantization=target.quantization,
+    )
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

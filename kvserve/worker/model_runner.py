@@ -5,7 +5,9 @@ Holds the model, the KV cache tensors and its own per-request state (InputBatch)
 Speculative decoding: a request scheduled with k draft tokens has them written after its known tokens in its
 InputBatch row, so they are fed like any other token; the last k + 1 positions are scored and the rejection
 sampler keeps the accepted drafts plus one token. The proposer then drafts the next step's tokens for every
-request that produced tokens.
+request that produced tokens; a model proposer (draft model, EAGLE: kvserve.spec_decode.model_proposer) also sees
+the step's layout and the target's last hidden states, and hands its draft distributions q to the next
+verification.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvserve.attention.base import AttentionInputs, KVCache
 from kvserve.attention.selector import get_attn_backend
 from kvserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.sched_output import SchedulerOutput
+from kvserve.core.spec_decode import SpecDecodePolicy
 from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.distributed.sharding import head_slice
 from kvserve.kv_transfer.base import KVConnectorInfo
@@ -34,7 +37,8 @@ from kvserve.profiling import StepTimer
 from kvserve.sample.rejection_sampler import DraftInputs, RejectionSampler
 from kvserve.sample.sampler import Sampler, SamplerOutput
 from kvserve.spec_decode.base import Proposer
-from kvserve.spec_decode.ngram import NgramProposer
+from kvserve.spec_decode.build import build_proposer
+from kvserve.spec_decode.model_proposer import DraftStepInputs, ModelProposer
 from kvserve.utils import cdiv
 from kvserve.worker.input_batch import InputBatch, RequestState
 from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for, prefault_kv_cache
@@ -55,6 +59,7 @@ class _StepInputs:
     seq_lens: np.ndarray  # [R] context length after this step
     sample_idx: np.ndarray  # indices into req_ids of the requests that sample a token this step
     num_drafts: np.ndarray  # [R] draft tokens scheduled per request (0 without speculation)
+    attn_inputs: AttentionInputs
     attn_metadata: Any
 
 
@@ -98,11 +103,6 @@ class ModelRunner:
         self.vocab_size = arch.vocab_size
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
-        self.proposer: Proposer | None = None
-        if spec_config is not None:
-            self.proposer = NgramProposer(
-                spec_config.num_speculative_tokens, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max
-            )
         self.generator = torch.Generator().manual_seed(model_config.seed)
         self.batch = InputBatch(
             scheduler_config.max_num_seqs,
@@ -124,6 +124,10 @@ class ModelRunner:
         self.kv_transfer: KVTransfer | None = None  # with the KV cache (initialize_kv_cache)
         self.num_blocks = 0
         self.kv_caches: list[KVCache] = []
+        self._spec_config = spec_config
+        # The proposer (a model proposer's KV pool mirrors the target's blocks) comes with the KV cache.
+        self.proposer: Proposer | ModelProposer | None = None
+        self.spec_policy = SpecDecodePolicy(spec_config) if spec_config is not None else None
         self._prefault_stop = threading.Event()
         self._prefault_thread: threading.Thread | None = None
         if allocate_kv_cache:
@@ -142,6 +146,17 @@ class ModelRunner:
         self.kv_transfer = KVTransfer(
             self.kv_caches, self.kv_connector_info, self.num_swap_blocks, self._kv_transfer_config
         )
+        if self._spec_config is not None:
+            self.proposer = build_proposer(
+                self._spec_config,
+                self.model,
+                self.attn_backend,
+                num_blocks,
+                self.block_size,
+                self.dtype,
+                self.model_config.max_model_len,
+                self.generator,
+            )
         if self.cache_config.kv_prefault != "off":
             self.prefault_kv_cache(background=self.cache_config.kv_prefault == "background")
 
@@ -199,7 +214,7 @@ class ModelRunner:
         spec_token_ids = None
         if self.proposer is not None:
             with timer.phase("propose"):
-                spec_token_ids = self._propose(step, sampled_lists)
+                spec_token_ids = self._propose(step, sampled_lists, hidden)
         has_logprobs = any(x is not None for x in logprobs_lists)
         return ModelRunnerOutput(
             step.req_ids, sampled_lists, logprobs_lists if has_logprobs else None, spec_token_ids, kv_connector_output
@@ -224,8 +239,11 @@ class ModelRunner:
             metadata = build_sampling_metadata(row_states, batch, self.vocab_size, self.generator, offsets)
             num_drafts = num_logits - 1
             draft_ids = _draft_matrix(batch, sample_rows, num_drafts)
+            draft_probs = None
+            if isinstance(self.proposer, ModelProposer):
+                draft_probs = self.proposer.draft_probs([s.req_id for s in sample_states], draft_ids, num_drafts)
             result = self.rejection_sampler(
-                logits, metadata, DraftInputs(torch.from_numpy(draft_ids), torch.from_numpy(num_drafts))
+                logits, metadata, DraftInputs(torch.from_numpy(draft_ids), torch.from_numpy(num_drafts), draft_probs)
             )
             out = result.row_output
             tokens = result.output_token_ids.numpy()
@@ -242,10 +260,32 @@ class ModelRunner:
         if out.logprobs is not None:
             self._collect_logprobs(out, step.sample_idx, sample_states, num_logits, num_out, logprobs_lists)
 
-    def _propose(self, step: _StepInputs, sampled_lists: list[list[int]]) -> list[list[int]]:
+    def _propose(self, step: _StepInputs, sampled_lists: list[list[int]], hidden: torch.Tensor) -> list[list[int]]:
         assert self.proposer is not None
         drafts: list[list[int]] = [[] for _ in step.req_ids]
-        if len(step.sample_idx):
+        if isinstance(self.proposer, ModelProposer):
+            assert self.spec_policy is not None
+            # Runs even when no request samples: its KV must cover every position the target computed. The
+            # draft steps are skipped when the scheduler's rule will verify no drafts at this batch size.
+            drafting = self.spec_policy.draft_token_budget(len(step.sample_idx)) > 0
+            drafted_idx = step.sample_idx if drafting else step.sample_idx[:0]
+            proposal = self.proposer.propose(
+                DraftStepInputs(
+                    self.batch,
+                    step.states,
+                    step.rows,
+                    step.input_ids,
+                    step.positions,
+                    step.query_start_loc,
+                    step.attn_inputs,
+                    step.attn_metadata,
+                    hidden,
+                    drafted_idx,
+                )
+            )
+            for i, d in zip(drafted_idx.tolist(), proposal.drafts, strict=True):
+                drafts[i] = d
+        elif len(step.sample_idx):
             rows = step.rows[step.sample_idx]
             proposed = self.proposer.propose(self.batch.token_ids, self.batch.num_tokens, rows)
             for i, d in zip(step.sample_idx.tolist(), proposed, strict=True):
@@ -256,6 +296,8 @@ class ModelRunner:
         batch = self.batch
         for req_id in so.finished_req_ids:
             batch.remove(req_id)
+            if isinstance(self.proposer, ModelProposer):
+                self.proposer.forget(req_id)
         for new in so.scheduled_new_reqs:
             batch.add(new)
         for cached in so.scheduled_cached_reqs:
@@ -287,16 +329,15 @@ class ModelRunner:
         num_drafts = np.fromiter(
             (len(so.scheduled_spec_decode_tokens.get(r, ())) for r in req_ids), dtype=np.int64, count=len(req_ids)
         )
-        attn_metadata = self.attn_backend.build_metadata(
-            AttentionInputs(
-                num_decodes=int(np.count_nonzero(q_lens == 1)),
-                query_start_loc=query_start_loc,
-                seq_lens=seq_lens,
-                block_table=batch.block_table[rows],
-                slot_mapping=block_ids * self.block_size + positions % self.block_size,
-                block_size=self.block_size,
-            )
+        attn_inputs = AttentionInputs(
+            num_decodes=int(np.count_nonzero(q_lens == 1)),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=batch.block_table[rows],
+            slot_mapping=block_ids * self.block_size + positions % self.block_size,
+            block_size=self.block_size,
         )
+        attn_metadata = self.attn_backend.build_metadata(attn_inputs)
         return _StepInputs(
             req_ids=req_ids,
             states=states,
@@ -308,6 +349,7 @@ class ModelRunner:
             # Only requests whose known tokens are now all computed produce a token (not mid-prompt chunks).
             sample_idx=np.flatnonzero(seq_lens >= batch.num_tokens[rows] + num_drafts),
             num_drafts=num_drafts,
+            attn_inputs=attn_inputs,
             attn_metadata=attn_metadata,
         )
 

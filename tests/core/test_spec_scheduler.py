@@ -192,5 +192,7 @@ def test_adaptive_budget_shrinks_with_the_batch_and_probes_bad_requests():
     assert policy.draft_token_budget(FLAT_STEP_TOKENS) == 0
     assert policy.draft_token_budget(64) == 0
     assert policy.limit(0.9) == K and policy.limit(0.05) == 1
+    # Break-even acceptance 16 / (20 + 16) = 0.44 at 16 decodes; no probes past 4 decodes.
+    assert policy.limit(0.5, 16) == K and policy.limit(0.4, 16) == 0 and policy.limit(0.1, 4) == 1
     off = SpecDecodePolicy(SpeculativeConfig("ngram", K, disable_by_batch_size=4))
     assert off.draft_token_budget(4) > 0 and off.draft_token_budget(5) == 0

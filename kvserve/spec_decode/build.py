@@ -1,0 +1,36 @@
+"""The proposer a SpeculativeConfig asks for."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.base import AttentionBackend
+from kvserve.config import SpeculativeConfig
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.spec_decode.base import Proposer
+from kvserve.spec_decode.model_proposer import ModelProposer
+from kvserve.spec_decode.ngram import NgramProposer
+
+
+def build_proposer(
+    config: SpeculativeConfig,
+    target: LlamaForCausalLM,
+    backend: AttentionBackend,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    max_model_len: int,
+    generator: torch.Generator,
+) -> Proposer | ModelProposer:
+    """`num_blocks`/`block_size`: the target's KV pool, which a model proposer's own pool mirrors."""
+    k = config.num_speculative_tokens
+    if config.method == "ngram":
+        return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+    assert config.draft is not None, "EngineArgs resolves the draft's config"
+    if config.method == "draft_model":
+        from kvserve.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config.draft, k, num_blocks, block_size, max_model_len, generator)
+    from kvserve.spec_decode.eagle import EagleProposer
+
+    return EagleProposer(config.draft.path, target, backend, k, num_blocks, block_size, dtype, max_model_len, generator)

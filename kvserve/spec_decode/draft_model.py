@@ -1,0 +1,58 @@
+"""Draft-model proposer: a smaller model of the same vocabulary drafts K tokens, one decode step each.
+
+Per target step: one forward of the draft over the target's input tokens (its KV then mirrors the target's, see
+kvserve.spec_decode.model_proposer), then K single-token steps starting from each request's last emitted token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvserve.attention.selector import get_attn_backend
+from kvserve.config import ModelConfig
+from kvserve.loader.model_loader import load_model
+from kvserve.spec_decode.model_proposer import DraftStepInputs, ModelProposer
+
+
+class DraftModelProposer(ModelProposer):
+    def __init__(
+        self,
+        draft_config: ModelConfig,
+        num_speculative_tokens: int,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        generator: torch.Generator,
+    ) -> None:
+        arch = draft_config.arch
+        dtype = getattr(torch, draft_config.dtype)
+        backend = get_attn_backend(arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, dtype)
+        self.model = load_model(draft_config, backend)
+        super().__init__(
+            num_speculative_tokens,
+            backend,
+            arch.num_hidden_layers,
+            num_blocks,
+            block_size,
+            dtype,
+            arch.vocab_size,
+            max_model_len,
+            generator,
+        )
+
+    @property
+    def mirror_gives_first_draft(self) -> bool:
+        return False
+
+    def mirror(self, step: DraftStepInputs, last_rows: np.ndarray) -> tuple[None, None]:
+        # Only the KV is wanted: the last position's logits would predict the token the target already emitted.
+        md = self.backend.build_metadata(step.attn_inputs)
+        self.model(torch.from_numpy(step.input_ids), torch.from_numpy(step.positions), self.kv_caches, md)
+        return None, None
+
+    def decode(
+        self, token_ids: torch.Tensor, positions: np.ndarray, attn_metadata: object, features: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None]:
+        hidden = self.model(token_ids, torch.from_numpy(positions), self.kv_caches, attn_metadata)
+        return self.model.compute_logits(hidden), None

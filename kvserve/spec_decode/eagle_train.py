@@ -1,0 +1,227 @@
+"""Fitting an EAGLE head (kvserve.spec_decode.eagle's layout) to a target model, on text the target generates.
+
+`EagleReference` is the head as a plain, differentiable torch module (HF's Llama decoder layer over dense causal
+attention, no paged KV); its state dict is the published checkpoint layout, so what it learns loads into
+kvserve's `EagleHead` unchanged, and tests use it as the reference for the paged implementation.
+
+Training (EAGLE's recipe, shortened for a CPU budget of minutes): at position i the head gets the embedding of
+token i + 1 and the target's final hidden state h_i (after the norm, slightly noised so the head tolerates its
+own errors when it drafts several tokens from its own features); the loss is SmoothL1(pred_i, h_{i+1}) (features
+scaled to unit std) plus `ce_weight` x the cross-entropy of the target's LM head on pred_i against the target's
+own distribution at i + 1. The head starts as the identity on the feature (fc = [0 | I], attention and MLP
+outputs zero), i.e. "the next feature is this one", and learns the difference. The target's hidden states come
+from kvserve itself (a forward hook on its model during one prefill per sequence).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class EagleReference(nn.Module):
+    """fc over concat(embedding, feature), then one HF Llama decoder layer without its input norm."""
+
+    def __init__(self, hf_config, fc_bias: bool = True) -> None:
+        from transformers.models.llama import modeling_llama
+
+        super().__init__()
+        config = hf_config.__class__.from_dict(hf_config.to_dict())
+        config._attn_implementation = "sdpa"
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
+        layer = modeling_llama.LlamaDecoderLayer(config, layer_idx=0)
+        layer.input_layernorm = nn.Identity()
+        self.layers = nn.ModuleList([layer])
+        self.rotary = modeling_llama.LlamaRotaryEmbedding(config)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """embeds, features [B, L, hidden] -> predicted features [B, L, hidden] (causal over L)."""
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        position_ids = torch.arange(x.shape[1])[None, :].expand(x.shape[0], -1)
+        cos_sin = self.rotary(x, position_ids)
+        return self.layers[0](x, attention_mask=None, position_ids=position_ids, position_embeddings=cos_sin)
+
+    def checkpoint(self) -> dict[str, torch.Tensor]:
+        """The published layout: fc.*, layers.0.* (no rotary buffers)."""
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary")}
+
+
+@dataclass
+class TrainResult:
+    num_sequences: int
+    num_tokens: int
+    num_epochs: int
+    train_seconds: float
+    final_loss: float
+    top1_accuracy: float  # held-out: argmax of the head's logits == the target's argmax at i + 1
+
+
+def hf_llama_config(arch):
+    """An HF LlamaConfig of the target's shape (kvserve ArchConfig), one layer: the head's config."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        rms_norm_eps=arch.rms_norm_eps,
+        rope_theta=arch.rope_theta,
+        rope_scaling=arch.rope_scaling,
+        max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def embedding_and_lm_head(model_config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding and LM head matrices [vocab, hidden] fp32, read from its checkpoint (the loaded
+    model keeps its LM head only in packed form)."""
+    from kvserve.loader.gguf_weights import iterate_gguf
+    from kvserve.loader.safetensors_weights import iterate_safetensors
+
+    weights = (
+        iterate_gguf(model_config.path, model_config.arch)
+        if model_config.format == "gguf"
+        else iterate_safetensors(model_config.path)
+    )
+    found = {n: t.float() for n, t in weights if n in ("model.embed_tokens.weight", "lm_head.weight")}
+    embed = found["model.embed_tokens.weight"]
+    return embed, found.get("lm_head.weight", embed)
+
+
+@torch.no_grad()
+def target_features(llm, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """The target's last hidden state after its final norm, per sequence: [L, hidden] fp32, from one kvserve
+    prefill of each sequence (prefix caching must be off, so that every position is computed)."""
+    from kvserve.sampling_params import SamplingParams
+
+    model = llm.engine.engine_core.runner.model
+    captured: list[torch.Tensor] = []
+    handle = model.register_forward_hook(lambda _m, _args, out: captured.append(out.clone()))
+    out = []
+    try:
+        for seq in sequences:
+            captured.clear()
+            llm.generate({"prompt_token_ids": seq}, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+            hidden = torch.cat(captured)[: len(seq)]  # the prefill steps of this sequence alone, in order
+            out.append(model.model.norm(hidden).float())
+    finally:
+        handle.remove()
+    return out
+
+
+def train_head(
+    hf_config,
+    embed_weight: torch.Tensor,  # [vocab, hidden]
+    lm_head_weight: torch.Tensor,  # [vocab, hidden]
+    sequences: list[list[int]],
+    features: list[torch.Tensor],
+    train_seconds: float,
+    lr: float = 2e-3,
+    noise: float = 0.05,
+    ce_weight: float = 0.5,
+    seed: int = 0,
+) -> tuple[EagleReference, TrainResult]:
+    """Fit a head on all but a held-out tenth of the sequences for about `train_seconds` of wall time."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    embed = nn.Embedding.from_pretrained(embed_weight)
+    lm_head = nn.Linear(embed_weight.shape[1], embed_weight.shape[0], bias=False)
+    lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
+    head = EagleReference(hf_config)
+    scale = torch.cat(features).std().item()
+    with torch.no_grad():
+        hidden = hf_config.hidden_size
+        head.fc.weight.zero_()
+        head.fc.weight[:, hidden:] = torch.eye(hidden)
+        head.fc.weight[:, :hidden].normal_(0.0, 0.01)
+        head.fc.bias.zero_()
+        layer = head.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    order = list(range(len(sequences)))
+    rng.shuffle(order)
+    num_val = max(1, len(order) // 10)
+    val, train = order[:num_val], order[num_val:]
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    start = time.perf_counter()
+    epochs = 0
+    loss_value = float("nan")
+    while time.perf_counter() - start < train_seconds:
+        rng.shuffle(train)
+        for n, i in enumerate(train):
+            elapsed = time.perf_counter() - start
+            if elapsed >= train_seconds:
+                break
+            # Cosine decay over the budget.
+            for g in opt.param_groups:
+                g["lr"] = lr * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * elapsed / train_seconds)).item())
+            loss = _loss(head, embed, lm_head, sequences[i], features[i], noise * scale, scale, ce_weight)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            loss_value = loss.item()
+            if n % 20 == 0:
+                logger.info("epoch %d seq %d/%d loss %.4f (%.0fs)", epochs, n, len(train), loss_value, elapsed)
+        epochs += 1
+    accuracy = _top1(head, embed, lm_head, [sequences[i] for i in val], [features[i] for i in val])
+    num_tokens = sum(len(s) for s in sequences)
+    return head, TrainResult(len(sequences), num_tokens, epochs, time.perf_counter() - start, loss_value, accuracy)
+
+
+def _inputs(embed, seq: list[int], feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor(seq[1:])
+    return embed(ids)[None].float(), feats[:-1][None]
+
+
+def _loss(
+    head, embed, lm_head, seq: list[int], feats: torch.Tensor, noise: float, scale: float, ce_weight: float
+) -> torch.Tensor:
+    with torch.no_grad():
+        e, f = _inputs(embed, seq, feats)
+        f = f + noise * torch.randn_like(f)
+        target = feats[1:][None]
+        p_target = torch.softmax(lm_head(target), dim=-1)
+    pred = head(e, f)
+    reg = torch.nn.functional.smooth_l1_loss(pred / scale, target / scale)
+    logp = torch.log_softmax(lm_head(pred), dim=-1)
+    ce = -(p_target * logp).sum(-1).mean()
+    return reg + ce_weight * ce
+
+
+@torch.no_grad()
+def _top1(head, embed, lm_head, sequences, features) -> float:
+    hits = total = 0
+    for seq, feats in zip(sequences, features, strict=True):
+        e, f = _inputs(embed, seq, feats)
+        pred = lm_head(head(e, f))[0].argmax(-1)
+        want = lm_head(feats[1:]).argmax(-1)
+        hits += int((pred == want).sum())
+        total += len(want)
+    return hits / max(total, 1)
+
+
+def save_head(head: EagleReference, hf_config, folder: str, result: TrainResult) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    save_file(head.checkpoint(), os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config.to_dict(), f, indent=1, default=str)
+    with open(os.path.join(folder, "train_result.json"), "w") as f:
+        json.dump(result.__dict__, f, indent=1)

@@ -1,0 +1,277 @@
+"""What the draft-model and EAGLE proposers share: their own KV pool, the K-step draft loop, the draft draws (q).
+
+KV layout (both proposers): the proposer owns a pool with exactly the target's number of blocks and block size,
+in its own model's shape, and uses the target's block tables and slot mapping unchanged. Block b of the draft
+pool holds the draft's K/V for the same tokens as block b of the target pool. This keeps the scheduler, prefix
+cache and preemption unaware of the draft:
+
+* every step the proposer first runs over the same positions the target just computed (`mirror`), so whatever
+  the target's KV holds for a position, the draft's does too. A prefix-cache hit on target blocks is therefore
+  a hit on the draft's blocks as well, and preemption (which frees both) needs nothing;
+* the draft steps then write positions past the target's computed tokens. Those slots are in blocks the
+  request owns alone (never full of computed tokens, so never hashed); like the target's rejected drafts, they
+  are overwritten when the target computes those positions. The scheduler allocates K lookahead slots per
+  request for them; a request without room (max_model_len, or no lookahead allocated) gets fewer drafts
+  instead of writing outside its blocks.
+
+Draws: a greedy request drafts the argmax (a one-hot q suffices, since its p is one-hot too). A sampling request
+draws the draft token from q = the draft's distribution after the request's temperature, min-p, top-k and top-p,
+and q is kept for the rejection sampler, which then makes the output distribution exactly the target's. Its
+noise key is independent of the target's keys for the same position: a seeded request's draft is a hash of
+("draft", seed, position), so seeded outputs stay reproducible.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
+from kvserve.sample.sampler import Sampler, SamplingMetadata
+from kvserve.worker.input_batch import InputBatch, RequestState
+from kvserve.worker.kv_cache import allocate_kv_cache
+from kvserve.worker.sampling_inputs import build_sampling_metadata
+
+_KEY_RANGE = 1 << 62
+
+
+@dataclass
+class DraftStepInputs:
+    """The target's step as the proposer sees it, after verification (batch rows hold the emitted tokens and the
+    rolled-back computed counts)."""
+
+    batch: InputBatch
+    states: list[RequestState]  # [R] in step order
+    rows: np.ndarray  # [R] InputBatch rows
+    input_ids: np.ndarray  # [T] the target's input tokens
+    positions: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [R + 1]
+    attn_inputs: AttentionInputs  # the target's step layout (same pool shape, so valid for the draft pool)
+    attn_metadata: object  # the target backend's metadata for attn_inputs
+    hidden: torch.Tensor  # [T, hidden] the target's last hidden states (pre final norm)
+    sample_idx: np.ndarray  # [S] indices into the step's requests that emitted tokens this step
+
+
+@dataclass
+class DraftProposal:
+    drafts: list[list[int]]  # [S] per sampling request, at most K tokens
+    # [S] per sampling request its q [k_i, V] fp32, or None where the request is greedy (one-hot q).
+    probs: list[torch.Tensor | None]
+
+
+class ModelProposer(ABC):
+    """A proposer that runs a model with its own paged KV cache (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        backend: AttentionBackend,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        vocab_size: int,
+        max_model_len: int,
+        generator: torch.Generator,
+    ) -> None:
+        self.k = num_speculative_tokens
+        self.backend = backend
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.generator = generator
+        self.sampler = Sampler()
+        # NOTE: the same block count as the target's pool, in the draft's own shape (module docstring).
+        self.kv_caches: list[KVCache] = allocate_kv_cache(backend, num_blocks, block_size, num_layers, dtype, "cpu")
+        # q of each request's pending drafts, until the step that verifies them (or the request leaves).
+        self._pending: dict[str, tuple[list[int], torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ subclass hooks
+
+    @abstractmethod
+    def mirror(self, step: DraftStepInputs, last_rows: np.ndarray) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run over the target's step positions (filling the draft KV there). `last_rows` [S]: each sampling
+        request's row in the step's tokens at its last accepted position. Returns (logits [S, V] of the first
+        draft, or None when the first draft needs a decode step; per-request features [S, ...] or None)."""
+
+    @abstractmethod
+    def decode(
+        self, token_ids: torch.Tensor, positions: np.ndarray, attn_metadata: object, features: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft step of single-token queries: token_ids [A] at positions [A] -> (logits [A, V] fp32,
+        features [A, ...] for the next step or None)."""
+
+    @property
+    @abstractmethod
+    def mirror_gives_first_draft(self) -> bool:
+        """True when `mirror` already returns the first draft's logits (EAGLE); then the decode steps start at
+        the first unverified position with the first draft as input, else with the last emitted token."""
+
+    # ------------------------------------------------------------------ the loop
+
+    @torch.inference_mode()
+    def propose(self, step: DraftStepInputs) -> DraftProposal:
+        batch = step.batch
+        idx = step.sample_idx
+        rows = step.rows[idx]
+        states = [step.states[i] for i in idx.tolist()]
+        num_s = len(idx)
+        # After verification the computed count is the position of the last emitted token (not yet in KV).
+        next_pos = batch.num_computed_tokens[rows].astype(np.int64)  # [S]
+        start_pos = step.positions[step.query_start_loc[:-1][idx]]
+        last_rows = step.query_start_loc[:-1][idx] + (next_pos - 1 - start_pos)
+        capacity = np.minimum(batch.num_blocks[rows] * self.block_size, self.max_model_len)
+
+        logits, features = self.mirror(step, last_rows)
+        sampling = _DraftSampling(states, batch, self.vocab_size, self.generator)
+        drafts = np.zeros((num_s, self.k), dtype=np.int64)
+        num_drafts = np.zeros(num_s, dtype=np.int64)
+        probs = torch.zeros(num_s, self.k, self.vocab_size) if sampling.any_random else None
+        active = np.arange(num_s)
+        if logits is not None:
+            tokens = self._draw(sampling, logits, active, batch.num_tokens[rows], drafts, num_drafts, probs)
+        else:
+            tokens = torch.from_numpy(batch.token_ids[rows, next_pos])
+        pos = next_pos
+        while int(num_drafts.max(initial=0)) < self.k and len(active):
+            # Only requests with a KV slot for this position take part; positions only grow, so a request
+            # that drops out stays out.
+            keep = pos[active] < capacity[active]
+            if not keep.all():
+                kept = torch.from_numpy(keep)
+                active, tokens = active[keep], tokens[kept]
+                features = None if features is None else features[kept]
+            if not len(active):
+                break
+            step_pos = pos[active]
+            md = self.backend.build_metadata(self._decode_inputs(batch, rows[active], step_pos))
+            logits, features = self.decode(tokens, step_pos, md, features)
+            tokens = self._draw(
+                sampling, logits, active, batch.num_tokens[rows[active]] + num_drafts[active], drafts, num_drafts, probs
+            )
+            pos = pos + 1
+            done = num_drafts[active] < self.k
+            if not done.all():
+                kept = torch.from_numpy(done)
+                active, tokens = active[done], tokens[kept]
+                features = None if features is None else features[kept]
+
+        out_drafts = [drafts[i, : num_drafts[i]].tolist() for i in range(num_s)]
+        out_probs: list[torch.Tensor | None] = [
+            None if probs is None or sampling.greedy[i] else probs[i, : num_drafts[i]] for i in range(num_s)
+        ]
+        for state, d, q in zip(states, out_drafts, out_probs, strict=True):
+            if q is None:
+                self._pending.pop(state.req_id, None)
+            else:
+                self._pending[state.req_id] = (d, q)
+        return DraftProposal(out_drafts, out_probs)
+
+    def draft_probs(self, req_ids: list[str], draft_ids: np.ndarray, num_drafts: np.ndarray) -> torch.Tensor | None:
+        """[S, K, V] q of the drafts being verified (rows of greedy requests zero), or None when all are greedy.
+        `draft_ids` [S, K] are the scheduled drafts: a prefix of what this proposer proposed for the request."""
+        found = [self._pending.pop(r, None) for r in req_ids]
+        if all(f is None for f in found):
+            return None
+        out = torch.zeros(len(req_ids), draft_ids.shape[1], self.vocab_size)
+        for i, f in enumerate(found):
+            if f is None:
+                continue
+            proposed, q = f
+            n = int(num_drafts[i])
+            # The scheduler verifies a prefix of the proposal; anything else would make q wrong.
+            assert proposed[:n] == draft_ids[i, :n].tolist(), (proposed, draft_ids[i])
+            out[i, :n] = q[:n]
+        return out
+
+    def forget(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _decode_inputs(self, batch: InputBatch, rows: np.ndarray, positions: np.ndarray) -> AttentionInputs:
+        block_table = batch.block_table[rows]
+        block_ids = block_table[np.arange(len(rows)), positions // self.block_size].astype(np.int64)
+        return AttentionInputs(
+            num_decodes=len(rows),
+            query_start_loc=np.arange(len(rows) + 1, dtype=np.int64),
+            seq_lens=positions + 1,
+            block_table=block_table,
+            slot_mapping=block_ids * self.block_size + positions % self.block_size,
+            block_size=self.block_size,
+        )
+
+    def _draw(
+        self,
+        sampling: _DraftSampling,
+        logits: torch.Tensor,  # [A, V]
+        active: np.ndarray,  # [A] indices into the sampling requests
+        token_index: np.ndarray,  # [A] sequence index of the token being drafted
+        drafts: np.ndarray,  # [S, K] filled in place
+        num_drafts: np.ndarray,  # [S] advanced in place
+        probs: torch.Tensor | None,  # [S, K, V] filled in place for random rows
+    ) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        if probs is not None:
+            random_rows = np.flatnonzero(~sampling.greedy[active])
+            if len(random_rows):
+                sel = active[random_rows]
+                transformed = self.sampler.apply_transforms(logits[random_rows], sampling.metadata(sel))
+                keys = sampling.keys(sel, token_index[random_rows])
+                tokens[random_rows] = self.sampler.gumbel(transformed, keys)
+                probs[torch.from_numpy(sel), torch.from_numpy(num_drafts[sel])] = torch.softmax(
+                    transformed.float(), dim=-1
+                )
+        drafts[active, num_drafts[active]] = tokens.numpy()
+        num_drafts[active] += 1
+        return tokens
+
+
+class _DraftSampling:
+    """The sampling requests' transforms (temperature, min-p, top-k, top-p) and draft noise keys."""
+
+    def __init__(
+        self, states: list[RequestState], batch: InputBatch, vocab_size: int, generator: torch.Generator
+    ) -> None:
+        self.greedy = np.array([s.sampling_params.greedy for s in states], dtype=bool)
+        self.any_random = bool((~self.greedy).any())
+        self.seeds = [s.sampling_params.seed for s in states]
+        self.generator = generator
+        self._md = build_sampling_metadata(states, batch, vocab_size, generator) if self.any_random else None
+
+    def metadata(self, sel: np.ndarray) -> SamplingMetadata:
+        md = self._md
+        assert md is not None and md.temperature is not None
+        t = torch.from_numpy(sel)
+
+        def pick(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[t]
+
+        return SamplingMetadata(
+            all_greedy=False,
+            temperature=md.temperature[t],
+            top_k=pick(md.top_k),
+            top_p=pick(md.top_p),
+            min_p=pick(md.min_p),
+            seeds={},
+            generator=None,
+            presence_penalty=None,
+            frequency_penalty=None,
+            repetition_penalty=None,
+            output_token_ids=None,
+            prompt_token_ids=None,
+            banned_tokens=[],
+            max_num_logprobs=None,
+        )
+
+    def keys(self, sel: np.ndarray, token_index: np.ndarray) -> torch.Tensor:
+        keys = torch.randint(0, _KEY_RANGE, (len(sel),), generator=self.generator)
+        for j, (i, pos) in enumerate(zip(sel.tolist(), token_index.tolist(), strict=True)):
+            seed = self.seeds[i]
+            if seed is not None:
+                keys[j] = xxhash.xxh64_intdigest(f"draft:{seed}:{pos}".encode()) % _KEY_RANGE
+        return keys
