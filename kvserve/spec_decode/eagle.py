@@ -28,10 +28,11 @@ from torch import nn
 from kvserve.attention.base import AttentionBackend, KVCache
 from kvserve.config import ArchConfig
 from kvserve.layers.linear import Linear
+from kvserve.layers.parallel_linear import default_weight_loader
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.loader.default_model import cache_dir
 from kvserve.loader.safetensors_weights import iterate_safetensors
-from kvserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, _checked_copy
+from kvserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from kvserve.spec_decode.model_proposer import DraftStepInputs, ModelProposer
 
 _IGNORED = ("layers.0.input_layernorm.weight", "embed_tokens.weight", "lm_head.weight")
@@ -81,12 +82,13 @@ class EagleHead(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"EAGLE checkpoint tensor {name!r} has no place in the head")
+            # Each parameter copies its (fused) shard, as in LlamaForCausalLM.load_weights.
+            loader = getattr(param, "weight_loader", default_weight_loader)
             with torch.no_grad():
-                if shard is None:
-                    _checked_copy(param, tensor, name)
-                else:
-                    start, size = LlamaForCausalLM._shard_range(self, target, shard)  # type: ignore[arg-type]
-                    _checked_copy(param.narrow(0, start, size), tensor, name)
+                try:
+                    loader(param, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"shape mismatch for {name}: {e}") from None
             filled.add(f"{target}#{shard}")
         num_shards = {"qkv_proj": 3, "gate_up_proj": 2}
         missing = []
