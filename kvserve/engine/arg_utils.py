@@ -101,6 +101,7 @@ class EngineArgs:
     tensor_parallel_size: ranks the model is split over (heads, MLP columns, vocabulary).
     distributed_executor_backend: where the ranks run: "uniproc" (in the engine process; TP=1 only), "mp" (worker
     processes on this machine) or "ray" (Ray actors; a Ray cluster's machines); None: uniproc for TP=1, else mp.
+    worker_timeout_s: a step or worker call that takes longer fails the engine (a hung worker); None: 300 s.
     """
 
     model: str | None = None  # None: the embedded default model
@@ -127,6 +128,7 @@ class EngineArgs:
     kv_transfer_config: dict | str | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    worker_timeout_s: float | None = None
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -262,7 +264,12 @@ class EngineArgs:
             raise ValueError(
                 f"speculative method {speculative.method} is not supported with tensor_parallel_size > 1 yet"
             )
-        return ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend)
+        timeout = self.worker_timeout_s
+        if timeout is None:
+            return ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"worker_timeout_s must be a number > 0, got {timeout!r}")
+        return ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend, worker_timeout_s=timeout)
 
 
 def _kv_transfer_config(value: dict | str | None) -> KVTransferConfig | None:
@@ -393,6 +400,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="where the ranks run: in the engine process (uniproc, TP=1), worker processes (mp), or Ray actors "
         "(ray; joins RAY_ADDRESS's cluster if set); default: uniproc for TP=1, else mp",
+    )
+    g.add_argument(
+        "--worker-timeout-s",
+        type=float,
+        default=None,
+        help="seconds a step or worker call may take before the engine fails as hung (default 300)",
     )
     g.add_argument(
         "--speculative-config",

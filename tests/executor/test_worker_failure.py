@@ -1,5 +1,6 @@
 """A tensor-parallel worker killed mid-request: the server reports the engine dead on /health (503) within 5 s,
-every in-flight request ends with an error, and no process is left behind."""
+every in-flight request ends with an error, and no process is left behind. A hung worker fails the engine after
+worker_timeout_s."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import time
 
 import httpx
 import openai
+import pytest
 
+from kvserve import LLM, SamplingParams
+from kvserve.executor.base import WorkerFailedError
 from tests.entrypoints.openai.server_utils import Server, all_gone, child_pids
 
 
@@ -81,3 +85,26 @@ def test_killing_a_worker_fails_health_and_in_flight_requests(tiny_model_factory
     finally:
         assert server.stop() == 0, server.log()
     assert all_gone(engine_pids), "an engine or worker process outlived the server"
+
+
+def test_a_hung_worker_fails_the_step_after_the_timeout(tiny_model_factory):
+    """A worker that stops answering (SIGSTOP: alive, never done) fails generate() with WorkerFailedError once
+    worker_timeout_s has passed, and shutdown still ends both workers."""
+    model = tiny_model_factory("llama-gqa-untied")
+    llm = LLM(model, dtype="float32", max_model_len=128, tensor_parallel_size=2, worker_timeout_s=2.0)
+    executor = llm.engine.engine_core.executor
+    procs = list(executor.procs)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        with pytest.raises(WorkerFailedError, match=r"did not (answer|reach)"):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        assert executor.failure is not None
+        with pytest.raises(WorkerFailedError):  # the executor stays failed
+            executor.check_health()
+    finally:
+        llm.shutdown()
+    for proc in procs:
+        proc.join(5)
+        assert not proc.is_alive(), f"worker pid {proc.pid} outlived shutdown"
