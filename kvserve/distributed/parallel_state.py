@@ -117,7 +117,9 @@ def _open_shm(rank: int, world_size: int, buffer_bytes: int, timeout_s: float) -
     dist.all_reduce(vote, op=dist.ReduceOp.MIN)
     comm = None
     if vote.item() == 1:
-        comm = ShmCommunicator(path_token[0], rank, world_size, buffer_bytes, timeout_s)
+        # NOTE: a little under the executor's step timeout (the same timeout_s), so that a rank left waiting for
+        # a hung peer fails first and names that peer, rather than the executor blaming the step as a whole.
+        comm = ShmCommunicator(path_token[0], rank, world_size, buffer_bytes, 0.9 * timeout_s)
     dist.barrier()  # every rank has mapped it (or given up)
     if rank == 0 and path_token is not None:
         os.unlink(path_token[0])
