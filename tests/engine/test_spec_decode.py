@@ -145,7 +145,23 @@ def test_sampled_distribution_matches(plain, spec):
     assert_all_blocks_free(spec)
 
 
-def test_embedded_model_copies_with_high_acceptance(smollm2_gguf):
+def test_int8_greedy_identical(model_path):
+    """quantization="int8" with speculation: greedy tokens equal int8 without it. Activations are quantized per
+    row, so a draft position scored among others gets the numbers it would get as a single-row decode."""
+    plain8 = LLM(model_path, dtype="float32", max_model_len=256, quantization="int8")
+    spec8 = LLM(
+        model_path,
+        dtype="float32",
+        max_model_len=256,
+        quantization="int8",
+        speculative_config={**NGRAM, "adaptive": False},
+    )
+    assert_same_greedy(plain8, spec8, copy_prompts(5, 7), max_tokens=64)
+    assert spec8.stats()["spec_decoding"]["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_embedded_model_copies_with_high_acceptance(smollm2_gguf, quantization):
     text = (
         "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n\n\ndef sub(a, b):\n    return a - b\n"
     )
@@ -153,11 +169,13 @@ def test_embedded_model_copies_with_high_acceptance(smollm2_gguf):
     params = SamplingParams(max_tokens=48, temperature=0.0)
     # fp32: in bf16, scoring 5 positions in one matmul rounds differently from 5 single-row decodes, which can
     # flip a near-tie argmax (as batching does without speculation).
-    ref = LLM(smollm2_gguf, dtype="float32", max_model_len=512).chat(messages, params, use_tqdm=False)[0].outputs[0]
+    ref = LLM(smollm2_gguf, dtype="float32", max_model_len=512, quantization=quantization)
+    ref = ref.chat(messages, params, use_tqdm=False)[0].outputs[0]
     llm = LLM(
         smollm2_gguf,
         dtype="float32",
         max_model_len=512,
+        quantization=quantization,
         speculative_config={"method": "ngram", "num_speculative_tokens": 4},
     )
     out = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]

@@ -7,7 +7,13 @@ import torch
 
 from kvserve.layers.linear import Linear
 from kvserve.layers.quant.apply import model_weight_bytes, quantize_linears
-from kvserve.layers.quant.int8_linear import Int8Linear, activation_quant, quantize_per_channel
+from kvserve.layers.quant.int8_linear import (
+    Int8Linear,
+    activation_quant,
+    quantize_per_channel,
+    rotation_matrix,
+    rotation_signs,
+)
 
 SHAPES = [(64, 96), (576, 960), (1536, 576)]  # (in, out)
 
@@ -29,37 +35,109 @@ def test_per_channel_codes_within_half_a_step():
     assert (err <= scale[:, None] / 2 + 1e-5 * w.abs()).all()  # plus fp32 rounding
 
 
-@pytest.mark.parametrize("k,n", SHAPES)
+def _hadamard_rotation(k: int) -> torch.Tensor:
+    """The block rotation written out independently: [k, k] block-diagonal, each block diag(signs) H_64 / 8."""
+    h = torch.tensor([[1.0]], dtype=torch.float64)
+    for _ in range(6):
+        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64), h)
+    block = rotation_signs().double()[:, None] * h / 8.0
+    return torch.block_diag(*[block] * (k // 64))
+
+
+def test_rotation_is_orthogonal_hadamard():
+    r = rotation_matrix().double()
+    assert torch.allclose(r @ r.t(), torch.eye(64, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(r, _hadamard_rotation(64), atol=1e-7)
+    assert set(rotation_signs().tolist()) == {-1.0, 1.0}
+
+
+IMPLS = [pytest.param(True, id="kernel"), pytest.param(False, id="native")]
+
+
+@pytest.mark.parametrize("use_kernel", IMPLS)
+@pytest.mark.parametrize("k,n", SHAPES + [(40, 24)])
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])
-def test_int8_linear_within_quantization_bound(k, n, rows):
-    """|y - x W^T - b| <= sum_i |x_i| e_w + e_x |W_ji| + e_x e_w, with e_w = s_j / 2 (weight half step of output
-    channel j) and e_x = r * step / 2 (activation half step: the row's max |x| r times the normalised step, 1/127.5
-    with VNNI, 1/63 without), plus fp32 rounding."""
+def test_int8_linear_within_quantization_bound(k, n, rows, use_kernel):
+    """In the basis the layer quantizes in (x' = x R, W' = W R per 64-feature block when rotated; R orthogonal, so
+    x' W'^T = x W^T): |y - x W^T - b| <= sum_i |x'_i| e_w + e_x |W'_ji| + e_x e_w, with e_w = s_j / 2 (weight half
+    step of output channel j) and e_x = r * step / 2 (activation half step: the row's max |x'| r times the
+    normalised step, 1/127.5 with VNNI, 1/63 without), plus fp32 rounding."""
     w, b = _weights(k, n, k + n)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * torch.linspace(0.1, 10, rows)[:, None]
-    layer = Int8Linear.from_float(w, b)
+    layer = Int8Linear.from_float(w, b, use_kernel=use_kernel)
+    assert layer.rotated == (k % 64 == 0)
     y = layer(x)
     ref = x.double() @ w.double().t() + b.double()
-    _, scale = quantize_per_channel(w)
+    rot = _hadamard_rotation(k) if layer.rotated else torch.eye(k, dtype=torch.float64)
+    xr, wr = x.double() @ rot, w.double() @ rot
+    _, scale = quantize_per_channel(wr)
     e_w = scale.double()[None, :] / 2  # [1, n]
-    e_x = x.double().abs().amax(1, keepdim=True) * activation_quant()[0] / 2  # [rows, 1]
-    bound = x.double().abs().sum(1, keepdim=True) * e_w + e_x * w.double().abs().sum(1)[None, :] + k * e_x * e_w
+    e_x = xr.abs().amax(1, keepdim=True) * activation_quant()[0] / 2  # [rows, 1]
+    bound = xr.abs().sum(1, keepdim=True) * e_w + e_x * wr.abs().sum(1)[None, :] + k * e_x * e_w
     err = (y.double() - ref).abs()
     assert (err <= bound * 1.001 + 1e-4 * ref.abs() + 1e-5).all(), float((err / bound).max())
     # ... and the bound is not vacuous: the typical error is far below the output's scale.
     assert err.mean() < 0.02 * ref.abs().mean()
 
 
-def test_rows_do_not_depend_on_their_batch():
+@pytest.mark.parametrize("use_kernel", IMPLS)
+def test_rotation_cuts_the_error_of_outlier_features(use_kernel):
+    """Rows with a few features 30x the rest (as LLM activations have): rotating the 64-blocks first spreads them,
+    so the 8-bit per-row range fits the other features better and the error drops several-fold."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 576, generator=g) * 0.05
+    x = torch.randn(32, 576, generator=g)
+    x[:, [7, 300, 301]] *= 30.0
+    ref = x.double() @ w.double().t()
+    errors = {}
+    for rotate in (False, True):
+        y = Int8Linear.from_float(w, rotate=rotate, use_kernel=use_kernel)(x)
+        errors[rotate] = float((y.double() - ref).pow(2).mean().sqrt())
+    assert errors[True] < errors[False] / 3, errors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rows_match_the_torch_rotation(dtype):
+    layer = Int8Linear.from_float(torch.randn(8, 192))
+    if layer.kernels is None:
+        pytest.skip("no C++ kernels")
+    x = (torch.randn(11, 192) * torch.linspace(0.01, 100, 11)[:, None]).to(dtype)
+    x[3] = 0.0
+    for signs, k in ((layer._signs, 192), (None, 40)):
+        xi = x[:, :k]
+        normalized, row_max = layer.kernels.rotate_normalize(xi, signs)
+        xf = xi.double() @ _hadamard_rotation(k) if signs is not None else xi.double()
+        want_max = xf.abs().amax(1, keepdim=True)
+        assert torch.allclose(row_max.double(), want_max, rtol=1e-5)
+        assert torch.allclose(normalized.double(), xf / want_max.clamp_min(1e-30), atol=1e-5)
+        assert row_max[3] == 0 and not normalized[3].any()
+    # strided rows (a view into a wider tensor) are read in place
+    wide = torch.randn(5, 256).to(dtype)
+    n1, m1 = layer.kernels.rotate_normalize(wide[:, :192], layer._signs)
+    n2, m2 = layer.kernels.rotate_normalize(wide[:, :192].contiguous(), layer._signs)
+    assert torch.equal(n1, n2) and torch.equal(m1, m2)
+
+
+@pytest.mark.parametrize("use_kernel", IMPLS)
+def test_rows_do_not_depend_on_their_batch(use_kernel):
     """Per-token activation quantization: a row's output is bitwise the same alone or among others."""
     w, b = _weights(576, 960, 1)
-    layer = Int8Linear.from_float(w, b)
+    layer = Int8Linear.from_float(w, b, use_kernel=use_kernel)
     x = torch.randn(9, 576)
     x[4] *= 100.0  # an outlier token must not change the others' quantization
     y = layer(x)
     for i in (0, 4, 8):
         assert torch.equal(layer(x[i : i + 1]), y[i : i + 1])
     assert torch.equal(layer(x[2:6]), y[2:6])
+
+
+def test_dequantize_returns_the_weight_in_the_input_basis():
+    w, _ = _weights(576, 96, 5)
+    layer = Int8Linear.from_float(w)
+    _, scale = quantize_per_channel(w.double() @ _hadamard_rotation(576))
+    # per row, the rotated error is within half a step per element; the rotation keeps the row's norm
+    row_err = (layer.dequantize().double() - w.double()).norm(dim=1)
+    assert (row_err <= scale.double() / 2 * 576**0.5 + 1e-5).all()
 
 
 def test_given_codes_are_kept_exactly_and_dtype_follows_input():

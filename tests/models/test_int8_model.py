@@ -1,10 +1,11 @@
 """End to end with quantization="int8" on the embedded GGUF: a right answer, and the same greedy tokens under
 batching and prefix caching (per-token activation quantization keeps every row independent of its batch).
 
-Chunked prefill and other block sizes change the fp32 attention sums in their last bits; int8 rounding can turn
-that into a different quantization step, so under those conditions the outputs must agree on their first tokens
-on the chat prompt's answer (before the ignore_eos tail), where the top tokens are far apart; the plain-text
-prompts meet near ties within a few tokens."""
+Chunked prefill and other block sizes change the attention sums in their last bits; int8 rounding can turn that
+into a different quantization step, so under those conditions the outputs must agree on their first tokens on the
+chat prompt's answer (before the ignore_eos tail). That holds in fp32 activations, where "The" leads "L" by ~0.3
+in logit; in bf16 activations chunking alone moves these logits by ~0.1 (without int8 too), so there the test asks
+only for the right answer."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_int8_generation_is_right_and_independent_of_scheduling(smollm2_gguf, sm
     for cond, kwargs in SMOL_CONDITIONS.items():
         if "preempt" in cond:
             kwargs = {**kwargs, "num_kv_blocks": 16}  # these prompts are shorter than the parity test's
-        llm = LLM(smollm2_gguf, quantization="int8", max_model_len=256, **kwargs)
+        llm = LLM(smollm2_gguf, dtype="float32", quantization="int8", max_model_len=256, **kwargs)
         model = llm.engine.engine_core.runner.model
         assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.layers[0].mlp.down_proj, Int8Linear)
         for round_idx, got in enumerate(run_condition(llm, prompts)):
@@ -49,6 +50,17 @@ def test_int8_generation_is_right_and_independent_of_scheduling(smollm2_gguf, sm
         if "preempt" in cond:
             assert llm.stats()["num_preemptions"] > 0
         assert_all_blocks_free(llm)
+
+
+def test_int8_with_bf16_activations_answers_right(smollm2_gguf):
+    llm = LLM(smollm2_gguf, dtype="bfloat16", quantization="int8", max_model_len=256)
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+        use_tqdm=False,
+    )
+    assert "Paris" in out[0].outputs[0].text
+    assert_all_blocks_free(llm)
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ at::Tensor pack_linear_weight(at::Tensor w);
 at::Tensor linear_packed(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale);
+std::tuple<at::Tensor, at::Tensor> rotate_normalize(at::Tensor x, c10::optional<at::Tensor> signs);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_isa", [] { return std::string(kvserve::kVecIsa); }, "the vector helpers this library was built with");
@@ -33,5 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "w [N, K] -> kvserve's panel layout [P, K, panel width]");
   m.def("linear_packed", &linear_packed, "x @ w.T (+ bias) with w in the panel layout", py::arg("x"), py::arg("wp"),
         py::arg("n"), py::arg("bias") = py::none());
+  m.def("rotate_normalize", &rotate_normalize, "int8 linear input: rows (rotated per 64-block) divided by their max",
+        py::arg("x"), py::arg("signs") = py::none());
   m.def("sample_gumbel", &sample_gumbel, "one categorical draw per row of logits (Gumbel-max, hashed noise)");
 }
