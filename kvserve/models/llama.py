@@ -13,7 +13,7 @@ its own slice of a checkpoint tensor through its `weight_loader`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -166,55 +166,61 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weights
 
-    # HF name fragment -> (fused parameter fragment, shard index: q/k/v = 0/1/2, gate/up = 0/1)
-    _STACKED = {
-        ".q_proj.": (".qkv_proj.", 0),
-        ".k_proj.": (".qkv_proj.", 1),
-        ".v_proj.": (".qkv_proj.", 2),
-        ".gate_proj.": (".gate_up_proj.", 0),
-        ".up_proj.": (".gate_up_proj.", 1),
-    }
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be filled exactly once."""
-        params = dict(self.named_parameters())
-        filled: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            target, shard = name, None
-            for frag, (fused, idx) in self._STACKED.items():
-                if frag in name:
-                    target, shard = name.replace(frag, fused), idx
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            with torch.no_grad():
-                try:
-                    loader(param, tensor, shard)
-                except ValueError as e:
-                    raise ValueError(f"shape mismatch for {name}: {e}") from None
-            filled.add(f"{target}#{shard}")
-        missing = []
-        for pname in params:
-            shards = self._num_shards(pname)
-            if shards is None:
-                if f"{pname}#None" not in filled:
-                    missing.append(pname)
-            else:
-                missing += [f"{pname}[{i}]" for i in range(shards) if f"{pname}#{i}" not in filled]
-        if missing:
-            raise ValueError(
-                f"checkpoint lacks weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
-            )
+        tied = self.config.tie_word_embeddings
+        load_fused_weights(
+            self,
+            weights,
+            skip=lambda name: "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"),
+            what=type(self).__name__,
+        )
 
-    def _num_shards(self, pname: str) -> int | None:
-        if ".qkv_proj." in pname:
-            return 3
-        if ".gate_up_proj." in pname:
-            return 2
-        return None
+
+# HF name fragment -> (fused parameter fragment, shard index: q/k/v = 0/1/2, gate/up = 0/1)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+_NUM_SHARDS = {".qkv_proj.": 3, ".gate_up_proj.": 2}
+
+
+def load_fused_weights(
+    module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], skip: Callable[[str], bool], what: str
+) -> None:
+    """Copy HF-named tensors into `module`'s parameters, q/k/v and gate/up into their fused ones, each through its
+    `weight_loader` (which takes this rank's slice); every parameter (every shard of a fused one) must be filled.
+    `skip(name)` drops checkpoint tensors the module has no use for."""
+    params = dict(module.named_parameters())
+    filled: set[str] = set()
+    for name, tensor in weights:
+        if skip(name):
+            continue
+        target, shard = name, None
+        for frag, (fused, idx) in _STACKED.items():
+            if frag in name:
+                target, shard = name.replace(frag, fused), idx
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {what}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        with torch.no_grad():
+            try:
+                loader(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"shape mismatch for {name}: {e}") from None
+        filled.add(f"{target}#{shard}")
+    missing = []
+    for pname in params:
+        shards = next((n for frag, n in _NUM_SHARDS.items() if frag in pname), None)
+        if shards is None:
+            missing += [pname] if f"{pname}#None" not in filled else []
+        else:
+            missing += [f"{pname}[{i}]" for i in range(shards) if f"{pname}#{i}" not in filled]
+    if missing:
+        more = " ..." if len(missing) > 8 else ""
+        raise ValueError(f"checkpoint lacks weights for {what}: {', '.join(missing[:8])}{more}")
