@@ -16,7 +16,7 @@ whenever the truncated tail's mass does. The C++ kernel (kvserve/kernels/csrc/sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -36,17 +36,18 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [B] int64; vocab size where disabled
     top_p: torch.Tensor | None  # [B] fp32; 1 where disabled
     min_p: torch.Tensor | None  # [B] fp32; 0 where disabled
+    # The features below default to off (a proposer's draft sampling, tests).
     # row -> (seed, position of the token being sampled); rows absent use the shared generator.
-    seeds: dict[int, tuple[int, int]]
-    generator: torch.Generator | None  # shared, for unseeded random rows
-    presence_penalty: torch.Tensor | None  # [B]
-    frequency_penalty: torch.Tensor | None  # [B]
-    repetition_penalty: torch.Tensor | None  # [B]
-    output_token_ids: list[list[int]] | None  # per row, when penalties are on
-    prompt_token_ids: list[list[int]] | None  # per row, when the repetition penalty is on
+    seeds: dict[int, tuple[int, int]] = field(default_factory=dict)
+    generator: torch.Generator | None = None  # shared, for unseeded random rows
+    presence_penalty: torch.Tensor | None = None  # [B]
+    frequency_penalty: torch.Tensor | None = None  # [B]
+    repetition_penalty: torch.Tensor | None = None  # [B]
+    output_token_ids: list[list[int]] | None = None  # per row, when penalties are on
+    prompt_token_ids: list[list[int]] | None = None  # per row, when the repetition penalty is on
     # (row, token ids) pairs whose tokens are forbidden this step (stop tokens before min_tokens).
-    banned_tokens: list[tuple[int, list[int]]]
-    max_num_logprobs: int | None  # top-N to return; None when no row asked
+    banned_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
+    max_num_logprobs: int | None = None  # top-N to return; None when no row asked
 
 
 @dataclass
