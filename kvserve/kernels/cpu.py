@@ -30,6 +30,7 @@ _SOURCES = [
         "sampling.cpp",
         "elementwise.cpp",
         "linear.cpp",
+        "decoder_layer.cpp",
     )
 ]
 

@@ -36,6 +36,9 @@ from kvserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbeddin
 
 logger = logging.getLogger(__name__)
 
+# The linears whose `_panels` the C++ layer reads (not subclasses that compute differently, e.g. int8 ones).
+_PANEL_LINEAR_TYPES = (QKVParallelLinear, RowParallelLinear, MergedColumnParallelLinear)
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
@@ -92,12 +95,44 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # The whole layer in one C++ call where it can run (see `prepare_fused`); off while ops are timed one by one.
+    use_fused = True
+
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, backend, rotary)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._fused: tuple | None = None  # the C++ layer's fixed arguments, when it can run this layer
+
+    def prepare_fused(self) -> None:
+        """After packing: use kernels/csrc/decoder_layer.cpp for this layer if every op of it runs on the C++
+        kernels with panel weights (fp32, or bf16 without native bf16), on one rank, without Qwen3's q/k norms. The
+        C++ layer calls the same kernels in the same order, so results are bitwise the module path's."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ops = (self.input_layernorm, self.post_attention_layernorm, attn.rotary, mlp.act_fn)
+        layer = attn.backend.fused_layer()
+        if (
+            layer is None
+            or attn.qk_norm
+            or attn.o_proj.tp.world_size != 1
+            or any(type(m) not in _PANEL_LINEAR_TYPES or m._panels is None for m in linears)
+            or any(m.bias is not None for m in linears[1:])
+            or any(op.impl != "cpu" for op in ops)
+            or self.input_layernorm.eps != self.post_attention_layernorm.eps
+        ):
+            self._fused = None
+            return
+        self._fused = (
+            layer,
+            [self.input_layernorm.weight, linears[0]._panels, linears[1]._panels]
+            + [self.post_attention_layernorm.weight, linears[2]._panels, linears[3]._panels],
+            attn.qkv_proj.bias,
+            [m.out_features for m in linears] + [attn.num_heads, attn.num_kv_heads, attn.head_dim],
+            self.input_layernorm.eps,
+        )
 
     def forward(
         self,
@@ -107,6 +142,30 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         attn_metadata: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        fused_args = None
+        if self._fused is not None and self.use_fused:
+            fused_args = self.self_attn.backend.fused_layer_args(attn_metadata)
+        if fused_args is not None:
+            layer, weights, qkv_bias, sizes, eps = self._fused
+            rotary = self.self_attn.rotary
+            slot_mapping, block_table, seq_lens, packed = fused_args
+            return layer(
+                x,
+                residual,
+                weights,
+                qkv_bias,
+                sizes,
+                eps,
+                positions,
+                rotary.cos,
+                rotary.sin,
+                *kv_cache,
+                slot_mapping,
+                block_table,
+                seq_lens,
+                self.self_attn.scale,
+                packed,
+            )
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -143,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
+        for layer in self.model.layers:
+            layer.prepare_fused()
 
     def forward(
         self,
