@@ -12,6 +12,10 @@ import torch
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Without a GPU, the Triton kernels run in Triton's interpreter; it is chosen when a kernel is defined, so this
+# must happen before anything imports kvserve.attention.triton_kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", message=".*non-writable.*")
 
 # name -> (HF config class name, config overrides). Tiny models reuse SmolLM2's tokenizer (vocab 49152), so
