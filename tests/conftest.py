@@ -79,10 +79,17 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_gguf):
+def smollm2_tokenizer(request):
+    """SmolLM2's tokenizer (from the embedded GGUF, fetched once). KVSERVE_TEST_TOKENIZER=synthetic: a word-level
+    tokenizer of the same vocabulary size instead, for machines that can fetch nothing (the tiny models and
+    tests that use token ids only run the same)."""
+    if os.environ.get("KVSERVE_TEST_TOKENIZER") == "synthetic":
+        from kvserve.benchmarks.synthetic import synthetic_tokenizer
+
+        return synthetic_tokenizer(49152)
     from kvserve.loader.tokenizer import load_tokenizer
 
-    return load_tokenizer(smollm2_gguf)
+    return load_tokenizer(request.getfixturevalue("smollm2_gguf"))
 
 
 def build_tiny_model(name: str, folder: str, tokenizer) -> str:

@@ -36,6 +36,7 @@ def _write_kv_kernel(
     key_cache_ptr,
     value_cache_ptr,
     slot_ptr,
+    num_tokens,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -46,20 +47,24 @@ def _write_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    TOKENS: tl.constexpr,  # tokens per program
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot >= 0:
-        heads = tl.arange(0, HEADS_PAD)[:, None]
-        dims = tl.arange(0, DIM_PAD)[None, :]
-        mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
-        k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
-        v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims
-        tl.store(key_cache_ptr + dst, k, mask=mask)
-        tl.store(value_cache_ptr + dst, v, mask=mask)
+    # One row per token, its heads' dims side by side: column c is head c // DIM_PAD, dim c % DIM_PAD.
+    tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    cols = tl.arange(0, HEADS_PAD * DIM_PAD)
+    heads = cols // DIM_PAD
+    dims = cols % DIM_PAD
+    slots = tl.load(slot_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+    mask = (slots >= 0)[:, None] & ((heads < NUM_KV_HEADS) & (dims < HEAD_DIM))[None, :]
+    k = tl.load(k_ptr + tokens[:, None] * stride_kt + (heads * stride_kh + dims)[None, :], mask=mask)
+    v = tl.load(v_ptr + tokens[:, None] * stride_vt + (heads * stride_vh + dims)[None, :], mask=mask)
+    dst = ((slots // BLOCK_SIZE) * stride_cb + (slots % BLOCK_SIZE) * stride_cs)[:, None] + (heads * stride_ch + dims)[
+        None, :
+    ]
+    tl.store(key_cache_ptr + dst, k, mask=mask)
+    tl.store(value_cache_ptr + dst, v, mask=mask)
 
 
 @triton.jit
@@ -222,12 +227,15 @@ def write_kv(
     if num_tokens == 0:
         return
     assert k.stride(2) == 1 and v.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
-    _write_kv_kernel[(num_tokens,)](
+    # Few tokens per program on a GPU (many programs in flight); many in the interpreter, which pays per program.
+    tokens = 4 if k.device.type == "cuda" else 32
+    _write_kv_kernel[(triton.cdiv(num_tokens, tokens),)](
         k,
         v,
         key_cache,
         value_cache,
         slot_mapping,
+        num_tokens,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -238,6 +246,7 @@ def write_kv(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=key_cache.shape[1],
+        TOKENS=tokens,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
     )
