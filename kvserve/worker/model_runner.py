@@ -99,6 +99,8 @@ class ModelRunner:
         self.on_gpu = self.device.type == "cuda"
         self._memory_baseline: MemorySnapshot | None = None
         if self.on_gpu:
+            if self.device.index is None:  # "cuda": the current GPU, named by index (set_device needs one)
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
             self._memory_baseline = MemorySnapshot.take(self.device)
         arch = model_config.arch
