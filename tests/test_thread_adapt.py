@@ -85,11 +85,12 @@ def test_busy_ticks_counts_only_our_cpus_and_busy_columns():
     ("threads_now", "others", "expected"),
     [
         (2, 0.0, 2),
-        (2, 0.45, 2),  # under half a CPU taken: keep both
-        (2, 0.7, 1),  # one busy process beside two threads (CFS gives it ~2/3 of a CPU)
+        (2, 0.35, 2),  # under 0.4 of a CPU taken (an idle server's frontend and clients): keep both
+        (2, 0.45, 1),
+        (2, 0.7, 1),  # one busy process beside two threads (it gets ~2/3 of a CPU)
         (2, 1.6, 1),  # never below one
         (1, 1.0, 1),
-        (1, 0.5, 1),  # the gap: neither lowered nor raised between 0.25 and 0.5
+        (1, 0.35, 1),  # the gap: neither lowered nor raised between 0.25 and 0.4
         (1, 0.3, 1),
         (1, 0.2, 2),
     ],
@@ -100,8 +101,9 @@ def test_decide_on_two_cpus(threads_now, others, expected):
 
 def test_decide_on_bigger_machines_and_below_the_cpu_count():
     assert decide(8, 2.6, num_cpus=8, max_threads=8) == 5  # 5.4 CPUs free
+    assert decide(8, 2.3, num_cpus=8, max_threads=8) == 6  # 5.7: the sixth is 70% free
     assert decide(5, 0.1, num_cpus=8, max_threads=8) == 8  # all back at once
-    assert decide(7, 0.6, num_cpus=8, max_threads=7) == 7  # serving reserve: 7.4 free is still 7 threads
+    assert decide(7, 0.9, num_cpus=8, max_threads=7) == 7  # serving reserve: 7.1 free is still 7 threads
     assert decide(2, 4.0, num_cpus=8, max_threads=2) == 2  # a quota of 2 on 8 CPUs: 4 free, nothing to give up
 
 
