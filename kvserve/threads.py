@@ -12,10 +12,12 @@ at run time the engine uses fewer threads while other processes take its CPUs (k
 
 How idle OpenMP threads wait is read by libgomp when torch loads it (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`), so
 kvserve would set a default in the environment first (DEFAULT_WAIT_ENV). It sets none: passive waiting keeps 2x
-the throughput beside a busy process, but on an idle machine it made batch-1 decode 1.46x and batch-64 decode
-1.14x slower (each of a step's hundreds of parallel regions wakes sleeping threads), so libgomp's own short spin
-stays the default and `OMP_WAIT_POLICY=PASSIVE` is the documented choice for shared machines (docs/benchmarks.md,
-"Busy machines"). Waiting variables set by the user are passed on as they are.
+the throughput of as many spinning threads as cores beside a busy process, but on an idle machine it made batch-1
+decode 1.46x and batch-64 decode 1.14x slower (each of a step's hundreds of parallel regions wakes sleeping
+threads). libgomp's own short spin stays the default, and a busy machine is met by running fewer threads than
+cores taken (thread_adapt.py), which leaves no spinning thread in another process's way; `OMP_WAIT_POLICY=PASSIVE`
+remains an option for a fixed count (docs/benchmarks.md, "Busy machines"). Waiting variables set by the user are
+passed on as they are.
 """
 
 from __future__ import annotations
