@@ -56,7 +56,9 @@ class OffloadConnectorWorker(KVConnectorWorker):
 
     # ------------------------------------------------------------------ loads
 
-    def start_load_kv(self, metadata) -> None:
+    def start_load_kv(self, metadata) -> set[str]:
+        """RAM blocks are copied in now (a load wholly from RAM is synchronous, and a RAM copy cannot fail); disk
+        blocks are read on the I/O thread."""
         assert isinstance(metadata, OffloadMetadata) and self.ram is not None
         if metadata.disk_deletes:
             assert self._io is not None
@@ -75,6 +77,7 @@ class OffloadConnectorWorker(KVConnectorWorker):
                 self._disk_loads[req_id] = self._io.submit(self._load_from_disk, disk)
             else:
                 self._finished.add(req_id)
+        return set()
 
     def _copy_in(self, block_ids: list[int], slots: list[int]) -> None:
         assert self.ram is not None
