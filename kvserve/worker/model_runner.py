@@ -288,10 +288,16 @@ class ModelRunner:
         assert self.kv_transfer is not None, "initialize_kv_cache comes first"
         with timer.phase("prepare_inputs"):
             self._apply_scheduler_output(so)
-            self.kv_transfer.before_forward(so)
-            if so.is_empty:
+            num_scheduled = so.num_scheduled_tokens
+            failed_loads = self.kv_transfer.before_forward(so)
+            if failed_loads:
+                # Their KV is not all there: they sit this step out (the scheduler sends them again in full).
+                for req_id in failed_loads:
+                    self._forget(req_id)
+                num_scheduled = {r: n for r, n in num_scheduled.items() if r not in failed_loads}
+            if not num_scheduled:
                 return ModelRunnerOutput([], [], kv_connector_output=self.kv_transfer.after_forward(so))
-            step = self._prepare_inputs(so)
+            step = self._prepare_inputs(so, num_scheduled)
         with timer.phase("forward"):
             if step.graph_size is not None:
                 assert self.graphs is not None
@@ -398,12 +404,15 @@ class ModelRunner:
                 drafts[i] = d
         return drafts
 
+    def _forget(self, req_id: str) -> None:
+        self.batch.remove(req_id)
+        if isinstance(self.proposer, ModelProposer):
+            self.proposer.forget(req_id)
+
     def _apply_scheduler_output(self, so: SchedulerOutput) -> None:
         batch = self.batch
         for req_id in so.finished_req_ids:
-            batch.remove(req_id)
-            if isinstance(self.proposer, ModelProposer):
-                self.proposer.forget(req_id)
+            self._forget(req_id)
         for new in so.scheduled_new_reqs:
             batch.add(new)
         for cached in so.scheduled_cached_reqs:
@@ -414,14 +423,15 @@ class ModelRunner:
             start = batch.num_tokens[row]
             batch.token_ids[row, start : start + len(draft_ids)] = draft_ids
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
-        """Token ids, positions, slot mapping and attention metadata for the step, by numpy indexing."""
+    def _prepare_inputs(self, so: SchedulerOutput, num_scheduled: dict[str, int]) -> _StepInputs:
+        """Token ids, positions, slot mapping and attention metadata for the step's `num_scheduled` (req_id ->
+        tokens), by numpy indexing."""
         batch = self.batch
         # Single-token queries (decodes) first: the attention backend batches them.
-        req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] > 1)
+        req_ids = sorted(num_scheduled, key=lambda r: num_scheduled[r] > 1)
         states = [batch.states[r] for r in req_ids]
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        q_lens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(states))
+        q_lens = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int64, count=len(states))
 
         start_pos = batch.num_computed_tokens[rows]
         query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
