@@ -116,9 +116,10 @@ class LlamaDecoderLayer(nn.Module):
         layer = attn.backend.fused_layer()
         if (
             layer is None
+            # The types first: other linears (int8) have no `tp`.
+            or any(type(m) not in _PANEL_LINEAR_TYPES or m._panels is None for m in linears)
             or attn.qk_norm
             or attn.o_proj.tp.world_size != 1
-            or any(type(m) not in _PANEL_LINEAR_TYPES or m._panels is None for m in linears)
             or any(m.bias is not None for m in linears[1:])
             or any(op.impl != "cpu" for op in ops)
             or self.input_layernorm.eps != self.post_attention_layernorm.eps
