@@ -40,11 +40,19 @@ class ModelConfig:
     path: str  # resolved: a folder (HF) or a .gguf file
     format: str  # "hf" | "gguf"
     tokenizer: str  # folder or .gguf file the tokenizer is read from
-    dtype: str  # "float32" | "bfloat16"
+    dtype: str  # "float32" | "bfloat16" | "float16" (GPUs only)
     max_model_len: int
     arch: ArchConfig
     seed: int = 0
     quantization: str | None = None  # resolved: "int8" (int8 linears and LM head) or None (weights in dtype)
+    device: str = "cpu"  # resolved: "cpu" or "cuda[:N]"
+    # "auto": the checkpoint's weights; "dummy": random weights of the right shapes, no checkpoint read (vLLM's
+    # name; for benchmarks of model shapes whose weights are not at hand).
+    load_format: str = "auto"
+    # Attention backend: "auto" (the device's best), "triton", "cpu" (the C++ kernels) or "torch" (the reference).
+    attention_backend: str = "auto"
+    # GPU only: run every step eagerly, without captured CUDA graphs for decode batches.
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,9 @@ class CacheConfig:
     kv_prefault: str = "off"
     # Bytes of CPU memory for swap preemption (vLLM V0's swap_space); used only with preemption_mode "swap".
     swap_space: int = 0
+    # GPU only, when neither kv_cache_memory nor num_kv_blocks is given: the share of the GPU's memory the engine
+    # may use in all (weights, activations and KV cache); the KV cache gets what profiling leaves of it.
+    gpu_memory_utilization: float = 0.9
 
 
 @dataclass(frozen=True)

@@ -186,9 +186,42 @@ def cpu_info() -> CpuInfo:
     )
 
 
-def default_dtype() -> str:
-    """What `dtype="auto"` means here: bfloat16 only where the CPU computes it natively, float32 elsewhere."""
+def default_dtype(device: str = "cpu") -> str:
+    """What `dtype="auto"` means on `device`: on the CPU, bfloat16 only where the CPU computes it natively, float32
+    elsewhere; on a GPU, bfloat16 where it has bf16 arithmetic (NVIDIA compute capability 8.0 and up), else
+    float16."""
+    if device.startswith("cuda"):
+        import torch
+
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
     return "bfloat16" if cpu_info().native_bf16 else "float32"
+
+
+def resolve_device(device: str) -> str:
+    """`auto` is the GPU when torch sees one ("cuda"), else "cpu". An explicit "cuda" (or "cuda:N") without a
+    GPU is refused. torch is imported here, not at module load (see the module docstring)."""
+    name = str(device).lower()
+    if name == "cpu":
+        return name
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" or name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: torch sees no CUDA GPU here (torch {torch.__version__})")
+        return name
+    raise ValueError(f"unsupported device {device!r}; use auto, cpu or cuda")
+
+
+def device_summary(device: str) -> str:
+    """The GPU's name, memory and compute capability, for the start-up line; "" on the CPU."""
+    if not device.startswith("cuda"):
+        return ""
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return f"{props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}"
 
 
 def kernel_compile_flags(isa: str) -> list[str]:
@@ -226,16 +259,17 @@ def platform_record(dtype: str, num_threads: int) -> dict:
     }
 
 
-def startup_summary(dtype: str, num_threads: int, kernels: str) -> str:
+def startup_summary(dtype: str, num_threads: int, kernels: str, device: str = "cpu") -> str:
     """The one line kvserve logs when an engine starts: CPU, ISA level, threads (and, once an engine has applied
-    its thread plan, where the count comes from, the frontend's reserve, binding and OpenMP wait policy), dtype and
-    kernels in use."""
+    its thread plan, where the count comes from, the frontend's reserve, binding and OpenMP wait policy), the GPU
+    when the model runs on one, dtype and kernels in use."""
     from kvserve.threads import applied_plan
 
     info = cpu_info()
     plan = applied_plan()
     how = f" ({plan.describe()})" if plan is not None else ""
+    gpu = f"; device={device} ({device_summary(device)})" if device.startswith("cuda") else ""
     return (
         f"kvserve platform: {info.model_name or 'unknown CPU'}; {info.describe()}; threads={num_threads}/"
-        f"{info.num_cpus} cpus{how}; dtype={dtype}; kernels={kernels}"
+        f"{info.num_cpus} cpus{how}{gpu}; dtype={dtype}; kernels={kernels}"
     )

@@ -7,14 +7,17 @@ its cgroup CPU quota (`docker --cpus 1.5`: cgroup v2 `cpu.max`, v1 `cpu.cfs_quot
 thread beyond the quota only waits for the next quota period; less a reserve for the frontend's own work when
 serving. An explicit count (`--num-threads`, else `KVSERVE_NUM_THREADS`) replaces the automatic one but may not
 exceed the limit. torch's intra-op pool, oneDNN, MKL and kvserve's C++ kernels (at::parallel_for) all run on that
-one OpenMP pool, so `torch.set_num_threads` and `OMP_NUM_THREADS` size all of them.
+one OpenMP pool, so `torch.set_num_threads` and `OMP_NUM_THREADS` size all of them. An automatic count is a ceiling:
+at run time the engine uses fewer threads while other processes take its CPUs (kvserve/thread_adapt.py).
 
 How idle OpenMP threads wait is read by libgomp when torch loads it (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`), so
 kvserve would set a default in the environment first (DEFAULT_WAIT_ENV). It sets none: passive waiting keeps 2x
-the throughput beside a busy process, but on an idle machine it made batch-1 decode 1.46x and batch-64 decode
-1.14x slower (each of a step's hundreds of parallel regions wakes sleeping threads), so libgomp's own short spin
-stays the default and `OMP_WAIT_POLICY=PASSIVE` is the documented choice for shared machines (docs/benchmarks.md,
-"Busy machines"). Waiting variables set by the user are passed on as they are.
+the throughput of as many spinning threads as cores beside a busy process, but on an idle machine it made batch-1
+decode 1.46x and batch-64 decode 1.14x slower (each of a step's hundreds of parallel regions wakes sleeping
+threads). libgomp's own short spin stays the default, and a busy machine is met by running fewer threads than
+cores taken (thread_adapt.py), which leaves no spinning thread in another process's way; `OMP_WAIT_POLICY=PASSIVE`
+remains an option for a fixed count (docs/benchmarks.md, "Busy machines"). Waiting variables set by the user are
+passed on as they are.
 """
 
 from __future__ import annotations
@@ -46,10 +49,17 @@ class ThreadPlan:
     source: str  # "auto", "--num-threads" or "KVSERVE_NUM_THREADS"
     limit_reason: str  # where the limit comes from, for the messages: "affinity 8 CPUs, cgroup quota 1.5"
     cpu_bind: tuple[int, ...] | None = None  # OpenMP thread i pinned to cpu_bind[i]; None: the OS places them
+    # Follow the CPUs other processes leave free at run time (kvserve/thread_adapt.py), between 1 and num_threads.
+    # Only for an automatic, unbound count: an explicit count or a bind list is kept as given.
+    adapt: bool = False
 
     def describe(self) -> str:
         bind = ",".join(map(str, self.cpu_bind)) if self.cpu_bind else "off"
-        return f"{self.source}; {self.limit_reason}; reserve={self.reserve}; bind={bind}; omp_wait={describe_wait()}"
+        adapt = "on" if self.adapt else "off"
+        return (
+            f"{self.source}; {self.limit_reason}; reserve={self.reserve}; bind={bind}; adapt={adapt}; "
+            f"omp_wait={describe_wait()}"
+        )
 
 
 def affinity_cpus() -> set[int]:
@@ -180,20 +190,22 @@ def plan_threads(num_threads: int | None = None, cpu_bind: str | None = None, se
         return ThreadPlan(num_threads, limit, max(0, limit - num_threads), source, reason, bind)
     # The frontend runs outside the bound CPUs, so binding needs no reserve.
     reserve = 1 if serving and bind is None and limit >= RESERVE_MIN_CPUS else 0
-    return ThreadPlan(limit - reserve, limit, reserve, "auto", reason, bind)
+    adapt = bind is None and limit - reserve > 1
+    return ThreadPlan(limit - reserve, limit, reserve, "auto", reason, bind, adapt)
 
 
 def rank_thread_plan(plan: ThreadPlan, rank: int, world_size: int) -> ThreadPlan:
     """A tensor-parallel rank's share of `plan` on a machine shared by `world_size` ranks: num_threads / world_size
     threads (at least one), each rank pinned to its own CPUs (the plan's bind list, else this process's affinity
-    CPUs, split in rank order), so ranks do not preempt each other's OpenMP threads."""
+    CPUs, split in rank order), so ranks do not preempt each other's OpenMP threads. Their counts stay fixed: the
+    ranks of one step must not drift apart (no run-time adaptation)."""
     if world_size == 1:
         return plan
     per_rank = max(1, plan.num_threads // world_size)
     cpus = list(plan.cpu_bind) if plan.cpu_bind else sorted(affinity_cpus())[: plan.limit]
     bind = tuple(cpus[rank * per_rank : (rank + 1) * per_rank]) if len(cpus) >= per_rank * world_size else None
     reason = f"{plan.limit_reason}; rank {rank} of {world_size}"
-    return ThreadPlan(per_rank, plan.limit, plan.reserve, plan.source, reason, bind)
+    return ThreadPlan(per_rank, plan.limit, plan.reserve, plan.source, reason, bind, adapt=False)
 
 
 def _cpu_list(cpus: set[int]) -> str:
@@ -264,6 +276,15 @@ def apply_thread_plan(plan: ThreadPlan) -> None:
     if torch is not None:
         torch.set_num_threads(plan.num_threads)
     _applied = plan
+
+
+def set_compute_threads(num_threads: int) -> None:
+    """Resize the compute pool of this process at run time (thread adaptation). torch.set_num_threads sets the
+    OpenMP team size of the calling thread, which runs every step: at::parallel_for, kvserve's kernels and oneDNN
+    take their team size from it (a test checks that a step then runs on that many threads)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(num_threads)
 
 
 def applied_plan() -> ThreadPlan | None:

@@ -12,6 +12,10 @@ import torch
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Without a GPU, the Triton kernels run in Triton's interpreter; it is chosen when a kernel is defined, so this
+# must happen before anything imports kvserve.attention.triton_kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", message=".*non-writable.*")
 
 # name -> (HF config class name, config overrides). Tiny models reuse SmolLM2's tokenizer (vocab 49152), so
@@ -75,10 +79,17 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_gguf):
+def smollm2_tokenizer(request):
+    """SmolLM2's tokenizer (from the embedded GGUF, fetched once). KVSERVE_TEST_TOKENIZER=synthetic: a word-level
+    tokenizer of the same vocabulary size instead, for machines that can fetch nothing (the tiny models and
+    tests that use token ids only run the same)."""
+    if os.environ.get("KVSERVE_TEST_TOKENIZER") == "synthetic":
+        from kvserve.benchmarks.synthetic import synthetic_tokenizer
+
+        return synthetic_tokenizer(49152)
     from kvserve.loader.tokenizer import load_tokenizer
 
-    return load_tokenizer(smollm2_gguf)
+    return load_tokenizer(request.getfixturevalue("smollm2_gguf"))
 
 
 def build_tiny_model(name: str, folder: str, tokenizer) -> str:

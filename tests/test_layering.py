@@ -66,6 +66,8 @@ def test_models_use_the_attention_interface_only():
                     (
                         "kvserve.attention.cpu_kernels",
                         "kvserve.attention.torch_ref",
+                        "kvserve.attention.triton_backend",
+                        "kvserve.attention.triton_kernels",
                         "kvserve.attention.selector",
                         "kvserve.engine",
                         "kvserve.worker",

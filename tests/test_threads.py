@@ -209,8 +209,10 @@ def test_apply_sets_torchs_threads_and_the_startup_line_shows_the_plan(fake_mach
         threads.apply_thread_plan(threads.plan_threads(num_threads=1))
         assert torch.get_num_threads() == 1
         line = platform.startup_summary("float32", torch.get_num_threads(), "C++ avx2")
-        assert "threads=1/2 cpus (--num-threads; affinity 2 CPUs; reserve=1; bind=off; omp_wait=" in line
-        assert "omp_wait=" in line
+        assert "threads=1/2 cpus (--num-threads; affinity 2 CPUs; reserve=1; bind=off; adapt=off; omp_wait=" in line
+        threads.apply_thread_plan(threads.plan_threads())
+        line = platform.startup_summary("float32", torch.get_num_threads(), "C++ avx2")
+        assert "threads=2/2 cpus (auto; affinity 2 CPUs; reserve=0; bind=off; adapt=on; omp_wait=" in line
     finally:
         torch.set_num_threads(saved)
         threads._applied = None

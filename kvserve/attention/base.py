@@ -68,3 +68,12 @@ class AttentionBackend(ABC):
         the same step is filling (prefix-cache hits on blocks scheduled in that step). Returns
         [T, num_heads * head_dim].
         """
+
+    def fused_layer(self) -> Any:
+        """A C++ function that runs a whole decoder layer with this backend's attention, or None (the default):
+        see kernels/csrc/decoder_layer.cpp. Used only where `fused_layer_args` gives arguments for the step."""
+        return None
+
+    def fused_layer_args(self, metadata: Any) -> tuple | None:
+        """The step's attention arguments for `fused_layer`, or None when the step needs the module path."""
+        return None

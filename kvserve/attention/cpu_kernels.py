@@ -90,6 +90,15 @@ class CpuKernelAttentionBackend(AttentionBackend):
         layout = ", pair-packed bf16 KV" if self.uses_packed_layout(block_size) else ""
         return f"C++ {kernel_isa()}{layout}"
 
+    def fused_layer(self):
+        return self.kernels.llama_decoder_layer
+
+    def fused_layer_args(self, metadata: CpuKernelMetadata) -> tuple | None:
+        # Only steps whose every query row goes through the kernel (no SDPA spans).
+        if metadata.kernel_rows is not None or metadata.token_block_table is None:
+            return None
+        return metadata.slot_mapping, metadata.token_block_table, metadata.token_seq_lens, metadata.packed
+
     def build_metadata(self, inputs: AttentionInputs) -> CpuKernelMetadata:
         qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
         num_tokens = int(qsl[-1])

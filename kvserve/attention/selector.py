@@ -1,7 +1,11 @@
-"""Picks the attention backend for this machine: the C++ kernel backend where the kernels load, else the torch
-reference. The model runner asks here; models only see the AttentionBackend interface."""
+"""Picks the attention backend for the device the model runs on: Triton kernels on a GPU; on the CPU the C++
+kernel backend where the kernels load, else the torch reference. `name` forces one ("triton" on the CPU runs the
+kernels in Triton's interpreter: tests only, with TRITON_INTERPRET=1 set before the first import). The model
+runner asks here; models only see the AttentionBackend interface."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -11,8 +15,29 @@ from kvserve.attention.torch_ref import TorchRefAttentionBackend
 from kvserve.kernels.cpu import load_cpu_kernels
 
 
-def get_attn_backend(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> AttentionBackend:
+def get_attn_backend(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    name: str = "auto",
+) -> AttentionBackend:
+    device = torch.device(device)
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend triton needs a GPU, or TRITON_INTERPRET=1 (Triton's interpreter)")
+        # Imported here: Triton is needed only on this path.
+        from kvserve.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, device)
+    if device.type != "cpu":
+        raise ValueError(f"attention_backend {name} runs on the CPU only, not on {device}")
+    if name == "torch":
+        return TorchRefAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
     kernels = load_cpu_kernels()
     if kernels is not None:
         return CpuKernelAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, kernels)
+    if name == "cpu":
+        raise ValueError("attention_backend cpu: the C++ CPU kernels did not build (see the log); use auto or torch")
     return TorchRefAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)

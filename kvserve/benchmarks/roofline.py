@@ -156,6 +156,11 @@ def _op_timers():
         (RotaryEmbedding, "rotate_", "rotary"),
         (SiluAndMul, "forward", "silu_and_mul"),
     ]
+    from kvserve.models.llama import LlamaDecoderLayer
+
+    # The fused C++ layer would hide the ops inside one call: time them through the module path.
+    fused = LlamaDecoderLayer.use_fused
+    LlamaDecoderLayer.use_fused = False
     originals = []
     for owner, attr, name in patched:
         original = getattr(owner, attr)
@@ -174,6 +179,7 @@ def _op_timers():
     finally:
         for owner, attr, original in originals:
             setattr(owner, attr, original)
+        LlamaDecoderLayer.use_fused = fused
 
 
 def main(ns: argparse.Namespace) -> int:

@@ -96,8 +96,13 @@ def load_hf_model(model_path: str, dtype: str):
     return model.eval()
 
 
-def run_hf(model, requests: list[BenchRequest], batch_size: int, pad_id: int) -> ThroughputResult:
+def run_hf(
+    model, requests: list[BenchRequest], batch_size: int, pad_id: int, temperature: float = 1.0
+) -> ThroughputResult:
+    """HF `generate` in static batches on the model's device."""
     import torch
+
+    device = next(model.parameters()).device
 
     order = sorted(range(len(requests)), key=lambda i: requests[i].prompt_len)  # less padding: a fair baseline
     start = time.perf_counter()
@@ -113,16 +118,18 @@ def run_hf(model, requests: list[BenchRequest], batch_size: int, pad_id: int) ->
         new = max(requests[i].output_len for i in idx)
         with torch.inference_mode():
             model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
                 max_new_tokens=new,
                 min_new_tokens=new,
                 do_sample=True,
-                temperature=1.0,
+                temperature=temperature,
                 top_p=1.0,
                 top_k=0,
                 pad_token_id=pad_id,
             )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     return ThroughputResult(
         f"hf-generate-bs{batch_size}",

@@ -76,8 +76,8 @@ class KVCacheManager:
 
         Returns the ids of blocks appended to the request's table (hits first, then fresh blocks), or None
         when the pool cannot supply them, in which case nothing changed. `delay_caching`: the new blocks' tokens
-        arrive by a KV connector load, not this step's forward pass, so they join the prefix cache only at the
-        request's next allocation (after the load).
+        may arrive by a KV connector load, so they join the prefix cache only once the load is reported done
+        (`cache_blocks`, or the request's next allocation).
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
@@ -98,14 +98,21 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         blocks.extend(fresh)
 
-        if self.enable_caching and not delay_caching:
-            req_id = request.request_id
-            num_cached = self._num_cached_blocks[req_id]
-            num_full = min(num_total, request.num_tokens) // self.block_size
-            if num_full > num_cached:
-                self.pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
-                self._num_cached_blocks[req_id] = num_full
+        if not delay_caching:
+            self.cache_blocks(request, num_total)
         return [b.block_id for b in new_computed_blocks] + [b.block_id for b in fresh]
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks among its first `num_tokens` tokens in the prefix cache (those whose
+        KV is written by the end of the current step, or was before)."""
+        if not self.enable_caching:
+            return
+        req_id = request.request_id
+        num_cached = self._num_cached_blocks[req_id]
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        if num_full > num_cached:
+            self.pool.cache_full_blocks(self.req_to_blocks[req_id], request.block_hashes, num_cached, num_full)
+            self._num_cached_blocks[req_id] = num_full
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first (the tail of a chain is the least reusable)."""

@@ -21,7 +21,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     block_ids: list[int]
-    num_computed_tokens: int  # before this step (prefix-cache hits)
+    num_computed_tokens: int  # before this step (prefix-cache hits and tokens a KV connector loads)
 
 
 @dataclass
@@ -38,8 +38,9 @@ class SchedulerOutput:
     # req_id -> tokens to compute this step, for every scheduled request.
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
-    # Requests the runner must forget before this step: finished, aborted or preempted since the last one. A
-    # preempted request comes back later as a new request (NewRequestData) with its output tokens so far.
+    # Requests the runner must forget before this step: finished, aborted, preempted or whose synchronous KV load
+    # failed since the last one. Those that go on come back later as new requests (NewRequestData) with their
+    # output tokens so far.
     finished_req_ids: set[str] = field(default_factory=set)
     # req_id -> draft tokens to verify this step (they follow the request's known tokens; counted in
     # num_scheduled_tokens).

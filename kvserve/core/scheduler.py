@@ -11,9 +11,10 @@ computed blocks are copied to the swap space instead (core/swap.py) and copied b
 remains the fallback when the swap space is full.
 
 A KV connector (kvserve.kv_transfer), when configured, is reached only through its scheduler-side interface: after
-the prefix-cache lookup it may hold more of the prompt; such a request gets its blocks and waits in
-WAITING_FOR_REMOTE_KVS (not schedulable, holding its blocks outside the prefix cache) until the worker reports the
-load done or failed, then resumes from the waiting queue with the loaded tokens counted as computed.
+the prefix-cache lookup it may hold more of the prompt. A synchronous hit is scheduled at once with the loaded
+tokens counted as computed (the worker loads them before the forward pass). An asynchronous one gets its blocks and
+waits in WAITING_FOR_REMOTE_KVS (not schedulable, holding its blocks outside the prefix cache) until the worker
+reports the load done or failed, then resumes from the waiting queue with the loaded tokens counted as computed.
 
 Speculative decoding fits the same rule: a decoding request that carries k draft tokens (proposed by the runner
 after its last step) is scheduled 1 + k tokens, and its KV slots are allocated for all of them. Only tokens in
@@ -83,6 +84,8 @@ class Scheduler:
         self.loading: dict[str, tuple[Request, int]] = {}
         # Finished requests whose blocks the connector still reads (request_finished returned True).
         self._saving: dict[str, Request] = {}
+        # Requests scheduled in this step with a synchronous load (the tokens computed before it).
+        self._sync_loads: dict[str, int] = {}
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -196,36 +199,46 @@ class Scheduler:
                 self.waiting.popleft()
             else:
                 computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-                num_external = 0
+                num_external, load_async = 0, False
                 if self.connector is not None:
-                    num_external = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
-                num_new = request.num_tokens - num_hit_tokens - num_external
-                if num_new > budget and not self.config.enable_chunked_prefill and not num_external:
-                    break
-                num_new = min(num_new, budget)
-                assert request.num_computed_tokens == 0
-                if num_external:
-                    # Blocks to load into; they join the prefix cache only once loaded (never read before).
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                    load_async = load_async and num_external > 0
+                num_loaded = num_hit_tokens + num_external  # computed once the loads are in
+                num_new = request.num_tokens - num_loaded
+                if load_async:
+                    # Only the blocks to load into: the request computes nothing until the load is reported.
                     block_ids = self.kv.allocate_slots(request, num_external, computed_blocks, delay_caching=True)
                 else:
+                    if num_new > budget and not self.config.enable_chunked_prefill:
+                        break
+                    num_new = min(num_new, budget)
+                    # Loaded blocks join the prefix cache only once the load is reported done (never read before).
                     block_ids = self.kv.allocate_slots(
-                        request, num_new, computed_blocks, self._lookahead(num_hit_tokens + num_new)
+                        request,
+                        num_external + num_new,
+                        computed_blocks,
+                        self._lookahead(num_loaded + num_new),
+                        delay_caching=num_external > 0,
                     )
                 if block_ids is None:
                     break
                 self.waiting.popleft()
                 self.kv.record_lookup(request.num_tokens, num_hit_tokens)
                 if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit_tokens + num_external
+                    request.num_cached_tokens = num_loaded
                     request.first_scheduled_time = time.time()
                 request.num_computed_tokens = num_hit_tokens
                 block_ids = self.kv.get_block_ids(request.request_id)
                 if self.connector is not None:
                     self.connector.update_state_after_alloc(request, block_ids, num_external)
-                if num_external:
+                if load_async:
                     request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                     self.loading[request.request_id] = (request, num_external)
                     continue
+                if num_external:
+                    # Loaded by the worker before this step's forward pass; reported in this step's output.
+                    request.num_computed_tokens = num_loaded
+                    self._sync_loads[request.request_id] = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             new_reqs.append(
@@ -296,8 +309,8 @@ class Scheduler:
             if not token_ids:
                 continue
             request = self.requests.get(req_id)
-            if request is None or request.is_finished:
-                continue  # aborted while the step ran
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran, or its synchronous load failed
             drafts = spec_scheduled.get(req_id)
             if drafts:
                 num_accepted = len(token_ids) - 1
@@ -396,17 +409,36 @@ class Scheduler:
         self.kv.free(request)
 
     def _update_from_connector(self, output: KVConnectorOutput) -> None:
-        """Loads done resume their requests first in the waiting queue (a failed one with the tokens that did
-        load: the rest is recomputed); finished saves release their requests' blocks."""
+        """Asynchronous loads done resume their requests first in the waiting queue (a failed one with the tokens
+        that did load: the rest is recomputed). A failed synchronous load did not run in the step (the runner left
+        it out): its request goes back there too, and the runner is told to forget it, since it is sent in full
+        again. Loaded blocks join the prefix cache; finished saves release their requests' blocks."""
         assert self.connector is not None
         self.connector.update_connector_output(output)
         resumed: list[Request] = []
-        for req_id in sorted(output.finished_loading | set(output.failed_loading)):
+        sync_loads, self._sync_loads = self._sync_loads, {}
+        for req_id, num_hit_tokens in sync_loads.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran: its blocks are already free
+            if req_id in output.failed_loading:
+                self.running.remove(request)
+                request.num_computed_tokens = num_hit_tokens + output.failed_loading[req_id]
+                request.num_cached_tokens = min(request.num_cached_tokens, request.num_computed_tokens)
+                request.status = RequestStatus.WAITING
+                request.spec_token_ids = []
+                self._finished_req_ids.add(req_id)
+                resumed.append(request)
+            else:
+                assert req_id in output.finished_loading, f"synchronous load of {req_id} not reported"
+                self.kv.cache_blocks(request, request.num_computed_tokens)
+        for req_id in sorted((output.finished_loading | set(output.failed_loading)) - set(sync_loads)):
             request, num_external = self.loading.pop(req_id)
             if request.is_finished:  # aborted while loading
                 self.kv.free(request)
                 continue
             request.num_computed_tokens += output.failed_loading.get(req_id, num_external)
+            request.num_cached_tokens = min(request.num_cached_tokens, request.num_computed_tokens)
             request.status = RequestStatus.WAITING
             resumed.append(request)
         resumed.sort(key=lambda r: r.arrival_time)

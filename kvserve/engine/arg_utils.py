@@ -22,7 +22,7 @@ from kvserve.distributed.sharding import check_head_split
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
 from kvserve.loader.default_model import find_gguf, resolve_model_path
 from kvserve.loader.gguf_weights import gguf_arch_config, gguf_linears_quantized
-from kvserve.platform import cpu_info, default_dtype
+from kvserve.platform import cpu_info, default_dtype, resolve_device
 from kvserve.threads import plan_threads
 from kvserve.utils import parse_bytes
 
@@ -38,15 +38,25 @@ _DTYPES = {
     "float": "float32",
 }
 _FP16 = ("float16", "fp16", "half")
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
+LOAD_FORMATS = ("auto", "dummy")
 
 
-def resolve_dtype(dtype: str) -> str:
-    """`auto` is bfloat16 where the CPU computes it natively and float32 elsewhere (kvserve.platform). An explicit
-    bfloat16 is honoured everywhere, with a warning where it is emulated: the weights then stay unpacked (oneDNN
-    refuses to prepack bf16 there) and matmuls are far slower than in float32."""
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """`auto` is bfloat16 where the CPU computes it natively and float32 elsewhere (kvserve.platform); on a GPU,
+    bfloat16 (float16 on GPUs without bf16). An explicit bfloat16 is honoured everywhere, with a warning where it
+    is emulated: the weights then stay unpacked (oneDNN refuses to prepack bf16 there) and matmuls are far slower
+    than in float32. float16 is for GPUs only."""
     name = str(dtype).lower().removeprefix("torch.")
     if name == "auto":
-        return default_dtype()
+        return default_dtype(device)
+    on_gpu = device.startswith("cuda")
+    if on_gpu:
+        if name in _FP16:
+            return "float16"
+        if name not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; use one of auto, bfloat16, float16, float32")
+        return _DTYPES[name]
     if name in _FP16:
         # fp16 matmuls are emulated on CPUs without avx512_fp16/AMX-FP16 (~400x slower than bf16 on an
         # AVX512-BF16 CPU): use what "auto" would.
@@ -102,6 +112,11 @@ class EngineArgs:
     distributed_executor_backend: where the ranks run: "uniproc" (in the engine process; TP=1 only), "mp" (worker
     processes on this machine) or "ray" (Ray actors; a Ray cluster's machines); None: uniproc for TP=1, else mp.
     worker_timeout_s: a step or worker call that takes longer fails the engine (a hung worker); None: 300 s.
+    device: "auto" (the GPU when torch sees one, else the CPU), "cpu" or "cuda". gpu_memory_utilization (GPU): the
+    share of the GPU's memory for weights, activations and KV cache; the KV pool is what a profiling run leaves.
+    enforce_eager (GPU): no CUDA graphs. load_format: "auto" (the checkpoint) or "dummy" (random weights, for
+    benchmarks). attention_backend: "auto", "triton" (GPU, or the CPU under TRITON_INTERPRET=1), "cpu" (C++
+    kernels) or "torch" (the reference).
     """
 
     model: str | None = None  # None: the embedded default model
@@ -129,6 +144,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     worker_timeout_s: float | None = None
+    device: str = "auto"  # "auto" (CUDA when torch sees a GPU) | "cpu" | "cuda"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    load_format: str = "auto"  # "auto" | "dummy" (random weights)
+    attention_backend: str = "auto"  # "auto" | "triton" | "cpu" | "torch"
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -139,6 +159,7 @@ class EngineArgs:
     def create_engine_config(self, serving: bool = False) -> EngineConfig:
         """`serving`: the engine runs beside an API server, which may get a CPU of its own (kvserve/threads.py)."""
         threads = plan_threads(self.num_threads, self.cpu_bind, serving)  # first: bad counts fail before loading
+        device = resolve_device(self.device)
         path = resolve_model_path(self.model)
         gguf_path = find_gguf(path)
         sliding_window = None
@@ -188,11 +209,15 @@ class EngineArgs:
             path=model_path,
             format=fmt,
             tokenizer=self.tokenizer or model_path,
-            dtype=resolve_dtype(self.dtype),
+            dtype=resolve_dtype(self.dtype, device),
             max_model_len=max_model_len,
             arch=arch,
             seed=self.seed,
             quantization=resolve_quantization(self.quantization, gguf_path),
+            device=device,
+            load_format=self.load_format,
+            attention_backend=self.attention_backend,
+            enforce_eager=bool(self.enforce_eager),
         )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
@@ -206,6 +231,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             kv_prefault=self.kv_prefault,
             swap_space=swap_space if self.preemption_mode == "swap" else 0,
+            gpu_memory_utilization=self.gpu_memory_utilization,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -226,6 +252,7 @@ class EngineArgs:
         kv_transfer = _kv_transfer_config(self.kv_transfer_config)
         if speculative is not None and speculative.method != "ngram":
             speculative = replace(speculative, draft=draft_model_config(speculative, model))
+        self._check_device_options(model, speculative)
         return EngineConfig(
             model=model,
             cache=cache,
@@ -235,6 +262,33 @@ class EngineArgs:
             kv_transfer=kv_transfer,
             parallel=self._parallel_config(arch, model.quantization, speculative),
         )
+
+    def _check_device_options(self, model: ModelConfig, speculative: SpeculativeConfig | None) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+        if not model.device.startswith("cuda"):
+            return
+        # What the GPU path does not cover yet, refused before anything loads.
+        unsupported = []
+        if self.tensor_parallel_size != 1:
+            unsupported.append("tensor_parallel_size > 1 (no NCCL communicator yet)")
+        if model.quantization is not None:
+            unsupported.append(f"quantization {model.quantization} (CPU int8 kernels)")
+        if self.kv_transfer_config is not None or self.preemption_mode == "swap":
+            unsupported.append("kv_transfer_config and preemption_mode='swap'")
+        if speculative is not None and speculative.method != "ngram":
+            unsupported.append(f"speculative method {speculative.method}")
+        if self.attention_backend in ("cpu", "torch"):
+            unsupported.append(f"attention_backend {self.attention_backend} (CPU backends)")
+        if unsupported:
+            raise ValueError(f"device {model.device}: not supported on the GPU yet: {'; '.join(unsupported)}")
 
     def _parallel_config(self, arch, quantization: str | None, speculative: SpeculativeConfig | None) -> ParallelConfig:
         tp = self.tensor_parallel_size
@@ -339,7 +393,34 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dtype",
         default=d.dtype,
-        help="auto (bfloat16 where the CPU has native bf16, else float32), bfloat16, float32",
+        help="auto (GPU: bfloat16; CPU: bfloat16 where it has native bf16, else float32), bfloat16, float32, "
+        "float16 (GPU)",
+    )
+    g.add_argument("--device", default=d.device, help="auto (the GPU when torch sees one, else the CPU), cpu, cuda")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="GPU: share of its memory for weights, activations and the KV cache (the KV pool is what a profiling "
+        "run leaves; --kv-cache-memory or --num-kv-blocks override)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="GPU: run every step eagerly (no CUDA graphs for decode batches)",
+    )
+    g.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default=d.load_format,
+        help="auto: the checkpoint's weights; dummy: random weights of the model's shapes (benchmarks)",
+    )
+    g.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default=d.attention_backend,
+        help="auto (GPU: triton; CPU: the C++ kernels, else torch), triton, cpu, torch",
     )
     g.add_argument(
         "--quantization",

@@ -14,7 +14,8 @@ from kvserve.kv_transfer.factory import create_scheduler_connector
 from kvserve.outputs import EngineCoreOutput
 from kvserve.profiling import StepTimer
 from kvserve.request import EngineCoreRequest, Request, RequestStatus
-from kvserve.threads import apply_thread_plan, plan_threads
+from kvserve.thread_adapt import ThreadAdapter
+from kvserve.threads import affinity_cpus, apply_thread_plan, plan_threads
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         # Before the model loads: its weight packing and every step run on the plan's threads.
-        apply_thread_plan(config.threads or plan_threads())
+        plan = config.threads or plan_threads()
+        apply_thread_plan(plan)
+        # One rank in this process: its threads follow the CPUs other processes leave free (tensor-parallel ranks
+        # keep their fixed, pinned shares).
+        adapt = plan.adapt and config.parallel.tensor_parallel_size == 1
+        self.thread_adapter = ThreadAdapter(affinity_cpus(), plan.num_threads) if adapt else None
         self.timer = StepTimer()  # enable to account step time by phase (benchmarks)
         # The workers (one per tensor-parallel rank) load the model; the KV pool is what every rank can hold.
         self.executor = get_executor_class(config.parallel)(config, self.timer)
@@ -70,6 +76,10 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
+        if self.thread_adapter is not None:
+            num_threads = self.thread_adapter.poll()
+            if num_threads is not None:
+                self.executor.collective_rpc("set_num_threads", (num_threads,))
         timer = self.timer
         timer.steps += 1
         with timer.phase("schedule"):

@@ -31,6 +31,7 @@ _SOURCES = [
         "elementwise.cpp",
         "linear.cpp",
         "quant.cpp",
+        "decoder_layer.cpp",
     )
 ]
 

@@ -6,10 +6,15 @@ step, which rides in `SchedulerOutput.kv_connector_metadata` to the worker side.
 model runner: it starts the loads, may wait per layer, saves what the metadata asks, and reports back through
 `ModelRunnerOutput.kv_connector_output` (a `KVConnectorOutput`), which the scheduler hands to its side.
 
-Contract of a load: every external hit puts its request in WAITING_FOR_REMOTE_KVS with its blocks allocated but
-not yet in the prefix cache, for at least one step; the request is scheduled only after the worker reports the load
-finished (or failed: then the blocks that did not load are recomputed). So no forward pass ever reads a block whose
-load is in flight or failed, and a failed load never loses the request.
+Contract of a load. The scheduler side says, per hit, whether the load is asynchronous:
+- asynchronous: the request waits in WAITING_FOR_REMOTE_KVS with its blocks allocated but not yet in the prefix
+  cache, for at least one step; it is scheduled only after the worker reports the load finished (or failed: then
+  the blocks that did not load are recomputed);
+- synchronous: the request is scheduled at once, its loaded tokens counted as computed and its remaining tokens
+  scheduled; the worker completes the load in `start_load_kv`, before the step's forward pass. If the load fails,
+  the runner leaves the request out of that forward pass and the scheduler sends it again from the tokens that did
+  load; its blocks join the prefix cache only once the load is reported done.
+So no forward pass ever reads a block whose load is in flight or failed, and a failed load never loses the request.
 """
 
 from __future__ import annotations
@@ -66,10 +71,12 @@ class KVConnectorScheduler(ABC):
         self.info = info
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Prompt tokens after the first `num_computed_tokens` (a multiple of the block size: the local prefix-cache
-        hits) that the store can load, in whole blocks, leaving at least one token to compute. No side effects: the
-        scheduler may ask again if the request cannot be admitted now."""
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens, load_async): the prompt tokens after the first `num_computed_tokens` (a multiple of the block
+        size: the local prefix-cache hits) that the store can load, in whole blocks, leaving at least one token to
+        compute; and whether their load takes more than the worker's `start_load_kv` call (False: it completes
+        there, and the request computes its remaining tokens in the same step). No side effects: the scheduler may
+        ask again if the request cannot be admitted now."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -113,8 +120,11 @@ class KVConnectorWorker(ABC):
         self.kv_caches = kv_caches
 
     @abstractmethod
-    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
-        """Start this step's loads (into blocks no forward pass reads until they are reported finished)."""
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> set[str]:
+        """Complete this step's synchronous loads and start its asynchronous ones (into blocks no forward pass
+        reads until they are reported finished). Returns the ids of requests whose synchronous load failed: the
+        runner leaves them out of this step's forward pass. Every synchronous load is reported in this step's
+        `get_finished`, in `finished_loading` or `failed_loading`."""
 
     def wait_for_layer_load(self, layer_idx: int) -> None:  # noqa: B027 - optional hook
         """Block until the loads this step's forward pass needs for this layer are in place."""

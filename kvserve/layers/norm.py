@@ -16,7 +16,7 @@ class RMSNorm(CustomOp):
     """
 
     def __init__(
-        self, hidden_size: int, eps: float, device: torch.device | str = "cpu", use_kernel: bool = True
+        self, hidden_size: int, eps: float, device: torch.device | str | None = None, use_kernel: bool = True
     ) -> None:
         super().__init__(device, use_kernel)
         self.weight = nn.Parameter(torch.ones(hidden_size))

@@ -47,7 +47,7 @@ class RotaryEmbedding(CustomOp):
         theta: float,
         scaling: dict | None,
         dtype: torch.dtype,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         use_kernel: bool = True,
     ) -> None:
         super().__init__(device, use_kernel)

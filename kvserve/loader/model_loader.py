@@ -33,18 +33,37 @@ def _uninitialized(dtype: torch.dtype):
 
 
 def load_model(model_config: ModelConfig, backend: AttentionBackend) -> LlamaForCausalLM:
+    """Build the model on its device (parameters, buffers and each op's implementation follow torch's default
+    device, set here for the build) and fill it from the checkpoint, or with random weights (load_format dummy)."""
     dtype = getattr(torch, model_config.dtype)
     cls = get_model_class(model_config.arch.architecture)
-    with _uninitialized(dtype):
+    with _uninitialized(dtype), torch.device(model_config.device):
         model = cls(model_config.arch, backend, dtype)
-    if model_config.format == "gguf":
-        weights = iterate_gguf(model_config.path, model_config.arch)
+    if model_config.load_format == "dummy":
+        _fill_random(model, model_config.seed)
     else:
-        weights = iterate_safetensors(model_config.path)
-    model.load_weights(weights)
+        if model_config.format == "gguf":
+            weights = iterate_gguf(model_config.path, model_config.arch)
+        else:
+            weights = iterate_safetensors(model_config.path)
+        model.load_weights(weights)
     if model_config.quantization is not None:
         quantize_linears(model, model_config.quantization)
     model.prepare_for_inference()
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+@torch.no_grad()
+def _fill_random(model: torch.nn.Module, seed: int) -> None:
+    """Random weights of the right shapes (vLLM's dummy format): matrices and biases uniform in +-1e-3 (small
+    enough that activations stay finite in bf16), norm weights 1. Generated on the parameters' device."""
+    gen = None
+    for name, param in model.named_parameters():
+        if gen is None:
+            gen = torch.Generator(device=param.device).manual_seed(seed)
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.uniform_(-1e-3, 1e-3, generator=gen)

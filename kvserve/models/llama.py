@@ -13,7 +13,7 @@ its own slice of a checkpoint tensor through its `weight_loader`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -35,6 +35,9 @@ from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
 
 logger = logging.getLogger(__name__)
+
+# The linears whose `_panels` the C++ layer reads (not subclasses that compute differently, e.g. int8 ones).
+_PANEL_LINEAR_TYPES = (QKVParallelLinear, RowParallelLinear, MergedColumnParallelLinear)
 
 
 class LlamaAttention(nn.Module):
@@ -92,12 +95,45 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # The whole layer in one C++ call where it can run (see `prepare_fused`); off while ops are timed one by one.
+    use_fused = True
+
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, backend, rotary)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._fused: tuple | None = None  # the C++ layer's fixed arguments, when it can run this layer
+
+    def prepare_fused(self) -> None:
+        """After packing: use kernels/csrc/decoder_layer.cpp for this layer if every op of it runs on the C++
+        kernels with panel weights (fp32, or bf16 without native bf16), on one rank, without Qwen3's q/k norms. The
+        C++ layer calls the same kernels in the same order, so results are bitwise the module path's."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ops = (self.input_layernorm, self.post_attention_layernorm, attn.rotary, mlp.act_fn)
+        layer = attn.backend.fused_layer()
+        if (
+            layer is None
+            # The types first: other linears (int8) have no `tp`.
+            or any(type(m) not in _PANEL_LINEAR_TYPES or m._panels is None for m in linears)
+            or attn.qk_norm
+            or attn.o_proj.tp.world_size != 1
+            or any(m.bias is not None for m in linears[1:])
+            or any(op.impl != "cpu" for op in ops)
+            or self.input_layernorm.eps != self.post_attention_layernorm.eps
+        ):
+            self._fused = None
+            return
+        self._fused = (
+            layer,
+            [self.input_layernorm.weight, linears[0]._panels, linears[1]._panels]
+            + [self.post_attention_layernorm.weight, linears[2]._panels, linears[3]._panels],
+            attn.qkv_proj.bias,
+            [m.out_features for m in linears] + [attn.num_heads, attn.num_kv_heads, attn.head_dim],
+            self.input_layernorm.eps,
+        )
 
     def forward(
         self,
@@ -107,6 +143,30 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         attn_metadata: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        fused_args = None
+        if self._fused is not None and self.use_fused:
+            fused_args = self.self_attn.backend.fused_layer_args(attn_metadata)
+        if fused_args is not None:
+            layer, weights, qkv_bias, sizes, eps = self._fused
+            rotary = self.self_attn.rotary
+            slot_mapping, block_table, seq_lens, packed = fused_args
+            return layer(
+                x,
+                residual,
+                weights,
+                qkv_bias,
+                sizes,
+                eps,
+                positions,
+                rotary.cos,
+                rotary.sin,
+                *kv_cache,
+                slot_mapping,
+                block_table,
+                seq_lens,
+                self.self_attn.scale,
+                packed,
+            )
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -143,6 +203,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
+        for layer in self.model.layers:
+            layer.prepare_fused()
 
     def forward(
         self,
@@ -166,55 +228,61 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weights
 
-    # HF name fragment -> (fused parameter fragment, shard index: q/k/v = 0/1/2, gate/up = 0/1)
-    _STACKED = {
-        ".q_proj.": (".qkv_proj.", 0),
-        ".k_proj.": (".qkv_proj.", 1),
-        ".v_proj.": (".qkv_proj.", 2),
-        ".gate_proj.": (".gate_up_proj.", 0),
-        ".up_proj.": (".gate_up_proj.", 1),
-    }
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be filled exactly once."""
-        params = dict(self.named_parameters())
-        filled: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            target, shard = name, None
-            for frag, (fused, idx) in self._STACKED.items():
-                if frag in name:
-                    target, shard = name.replace(frag, fused), idx
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            with torch.no_grad():
-                try:
-                    loader(param, tensor, shard)
-                except ValueError as e:
-                    raise ValueError(f"shape mismatch for {name}: {e}") from None
-            filled.add(f"{target}#{shard}")
-        missing = []
-        for pname in params:
-            shards = self._num_shards(pname)
-            if shards is None:
-                if f"{pname}#None" not in filled:
-                    missing.append(pname)
-            else:
-                missing += [f"{pname}[{i}]" for i in range(shards) if f"{pname}#{i}" not in filled]
-        if missing:
-            raise ValueError(
-                f"checkpoint lacks weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
-            )
+        tied = self.config.tie_word_embeddings
+        load_fused_weights(
+            self,
+            weights,
+            skip=lambda name: "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"),
+            what=type(self).__name__,
+        )
 
-    def _num_shards(self, pname: str) -> int | None:
-        if ".qkv_proj." in pname:
-            return 3
-        if ".gate_up_proj." in pname:
-            return 2
-        return None
+
+# HF name fragment -> (fused parameter fragment, shard index: q/k/v = 0/1/2, gate/up = 0/1)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+_NUM_SHARDS = {".qkv_proj.": 3, ".gate_up_proj.": 2}
+
+
+def load_fused_weights(
+    module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], skip: Callable[[str], bool], what: str
+) -> None:
+    """Copy HF-named tensors into `module`'s parameters, q/k/v and gate/up into their fused ones, each through its
+    `weight_loader` (which takes this rank's slice); every parameter (every shard of a fused one) must be filled.
+    `skip(name)` drops checkpoint tensors the module has no use for."""
+    params = dict(module.named_parameters())
+    filled: set[str] = set()
+    for name, tensor in weights:
+        if skip(name):
+            continue
+        target, shard = name, None
+        for frag, (fused, idx) in _STACKED.items():
+            if frag in name:
+                target, shard = name.replace(frag, fused), idx
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {what}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        with torch.no_grad():
+            try:
+                loader(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"shape mismatch for {name}: {e}") from None
+        filled.add(f"{target}#{shard}")
+    missing = []
+    for pname in params:
+        shards = next((n for frag, n in _NUM_SHARDS.items() if frag in pname), None)
+        if shards is None:
+            missing += [pname] if f"{pname}#None" not in filled else []
+        else:
+            missing += [f"{pname}[{i}]" for i in range(shards) if f"{pname}#{i}" not in filled]
+    if missing:
+        more = " ..." if len(missing) > 8 else ""
+        raise ValueError(f"checkpoint lacks weights for {what}: {', '.join(missing[:8])}{more}")

@@ -60,10 +60,11 @@ class RejectionSampler:
         b, k_max = drafts.draft_token_ids.shape
         # [B, K + 1] logits row of each (request, position); padding repeats the bonus row and is masked.
         starts = torch.cumsum(num_drafts + 1, dim=0) - (num_drafts + 1)
-        pos = torch.arange(k_max + 1)[None, :]
+        device = logits.device
+        pos = torch.arange(k_max + 1, device=device)[None, :]
         rows = starts[:, None] + torch.minimum(pos, num_drafts[:, None])
         is_draft = pos < num_drafts[:, None]  # [B, K + 1]
-        draft_ids = torch.cat([drafts.draft_token_ids, torch.zeros(b, 1, dtype=torch.int64)], dim=1)
+        draft_ids = torch.cat([drafts.draft_token_ids, torch.zeros(b, 1, dtype=torch.int64, device=device)], dim=1)
         draft_ids = torch.where(is_draft, draft_ids, 0)
 
         logits = sampler.apply_constraints(logits, md)
@@ -72,7 +73,7 @@ class RejectionSampler:
             transformed, keys, target = None, None, greedy_pick
         else:
             transformed = sampler.apply_transforms(logits, md)
-            keys = sampler.draw_keys(md, num_rows)
+            keys = sampler.draw_keys(md, num_rows).to(device)
             greedy_rows = sampler.greedy_rows(md)
             target = torch.where(greedy_rows, greedy_pick, sampler.gumbel(transformed, keys))  # [N]
 
@@ -91,7 +92,7 @@ class RejectionSampler:
         output = torch.where(pos < num_output[:, None], tokens, PLACEHOLDER_TOKEN_ID)
 
         # Every row's token (rows past the accepted run hold what would have been drawn there).
-        row_tokens = torch.empty(num_rows, dtype=torch.int64)
+        row_tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
         row_tokens[rows.flatten()] = tokens.flatten()
         row_output = SamplerOutput(sampled_token_ids=row_tokens)
         if raw_logprobs is not None:
@@ -115,7 +116,7 @@ class RejectionSampler:
         vocab = transformed.shape[1]
         p = torch.softmax(transformed, dim=-1)
         p = torch.where(greedy_rows[:, None], torch.nn.functional.one_hot(greedy_pick, vocab).to(p.dtype), p)
-        q = torch.cat([draft_probs.float(), torch.zeros(b, 1, vocab)], dim=1)  # [B, K + 1, V]
+        q = torch.cat([draft_probs.float(), torch.zeros(b, 1, vocab, device=p.device)], dim=1)  # [B, K + 1, V]
         p_pos = p[rows]  # [B, K + 1, V]
         px = p_pos.gather(2, draft_ids[:, :, None]).squeeze(2)
         qx = q.gather(2, draft_ids[:, :, None]).squeeze(2)

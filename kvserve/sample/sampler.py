@@ -16,7 +16,7 @@ whenever the truncated tail's mass does. The C++ kernel (kvserve/kernels/csrc/sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -36,17 +36,18 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [B] int64; vocab size where disabled
     top_p: torch.Tensor | None  # [B] fp32; 1 where disabled
     min_p: torch.Tensor | None  # [B] fp32; 0 where disabled
+    # The features below default to off (a proposer's draft sampling, tests).
     # row -> (seed, position of the token being sampled); rows absent use the shared generator.
-    seeds: dict[int, tuple[int, int]]
-    generator: torch.Generator | None  # shared, for unseeded random rows
-    presence_penalty: torch.Tensor | None  # [B]
-    frequency_penalty: torch.Tensor | None  # [B]
-    repetition_penalty: torch.Tensor | None  # [B]
-    output_token_ids: list[list[int]] | None  # per row, when penalties are on
-    prompt_token_ids: list[list[int]] | None  # per row, when the repetition penalty is on
+    seeds: dict[int, tuple[int, int]] = field(default_factory=dict)
+    generator: torch.Generator | None = None  # shared, for unseeded random rows
+    presence_penalty: torch.Tensor | None = None  # [B]
+    frequency_penalty: torch.Tensor | None = None  # [B]
+    repetition_penalty: torch.Tensor | None = None  # [B]
+    output_token_ids: list[list[int]] | None = None  # per row, when penalties are on
+    prompt_token_ids: list[list[int]] | None = None  # per row, when the repetition penalty is on
     # (row, token ids) pairs whose tokens are forbidden this step (stop tokens before min_tokens).
-    banned_tokens: list[tuple[int, list[int]]]
-    max_num_logprobs: int | None  # top-N to return; None when no row asked
+    banned_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
+    max_num_logprobs: int | None = None  # top-N to return; None when no row asked
 
 
 @dataclass
@@ -84,7 +85,8 @@ class Sampler:
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = self.gumbel(self.apply_transforms(logits, md), self.draw_keys(md, logits.shape[0]))
+            keys = self.draw_keys(md, logits.shape[0]).to(logits.device)
+            sampled = self.gumbel(self.apply_transforms(logits, md), keys)
             greedy_rows = self.greedy_rows(md)
             if bool(greedy_rows.any()):
                 sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
@@ -126,7 +128,8 @@ class Sampler:
 
     @staticmethod
     def draw_keys(md: SamplingMetadata, num_rows: int) -> torch.Tensor:
-        """[B] int64 noise keys: a seeded row's from (seed, position), the others from the shared generator."""
+        """[B] int64 noise keys (on the CPU): a seeded row's from (seed, position), the others from the shared
+        generator."""
         keys = torch.randint(0, _KEY_RANGE, (num_rows,), generator=md.generator)
         for row, (seed, position) in md.seeds.items():
             keys[row] = position_key(seed, position)
@@ -157,7 +160,7 @@ def position_key(seed: int, position: int) -> int:
 
 def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Torch version of the kernel's draw (same hash; a different log, so not bit-identical): [B, V], [B] -> [B]."""
-    idx = torch.arange(logits.shape[-1], dtype=torch.int64)[None, :]
+    idx = torch.arange(logits.shape[-1], dtype=torch.int64, device=logits.device)[None, :]
     u = hash_uniform(keys[:, None], idx)
     g = -torch.log(-torch.log(u))
     return (logits.float() + g).argmax(dim=-1)
@@ -211,11 +214,11 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     prompt or output; frequency subtracts penalty x count in the output; presence subtracts it once."""
     b, vocab = logits.shape
     assert md.output_token_ids is not None
-    counts = _token_counts(md.output_token_ids, b, vocab)
+    counts = _token_counts(md.output_token_ids, b, vocab, logits.device)
     logits = logits.clone()
     if md.repetition_penalty is not None:
         assert md.prompt_token_ids is not None
-        seen = (counts > 0) | (_token_counts(md.prompt_token_ids, b, vocab) > 0)
+        seen = (counts > 0) | (_token_counts(md.prompt_token_ids, b, vocab, logits.device) > 0)
         rp = md.repetition_penalty[:, None].expand_as(logits)
         penalized = torch.where(logits > 0, logits / rp, logits * rp)
         logits = torch.where(seen, penalized, logits)
@@ -226,15 +229,16 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
-def _token_counts(token_ids: list[list[int]], b: int, vocab: int) -> torch.Tensor:
-    """[B, V] fp32 occurrence counts of each token id per row."""
+def _token_counts(token_ids: list[list[int]], b: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[B, V] fp32 occurrence counts of each token id per row, on `device`."""
     width = max((len(t) for t in token_ids), default=0)
     if width == 0:
-        return torch.zeros(b, vocab, dtype=torch.float32)
+        return torch.zeros(b, vocab, dtype=torch.float32, device=device)
     ids = torch.full((b, width), vocab, dtype=torch.int64)  # padding goes to an extra column, cut below
     for row, toks in enumerate(token_ids):
         if toks:
             ids[row, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
-    padded = torch.zeros(b, vocab + 1, dtype=torch.float32)
+    ids = ids.to(device)
+    padded = torch.zeros(b, vocab + 1, dtype=torch.float32, device=device)
     padded.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return padded[:, :vocab]

@@ -28,11 +28,10 @@ from torch import nn
 from kvserve.attention.base import AttentionBackend, KVCache
 from kvserve.config import ArchConfig
 from kvserve.layers.linear import Linear
-from kvserve.layers.parallel_linear import default_weight_loader
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.loader.default_model import cache_dir
 from kvserve.loader.safetensors_weights import iterate_safetensors
-from kvserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from kvserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, load_fused_weights
 from kvserve.spec_decode.model_proposer import DraftStepInputs, ModelProposer
 
 _IGNORED = ("layers.0.input_layernorm.weight", "embed_tokens.weight", "lm_head.weight")
@@ -69,35 +68,7 @@ class EagleHead(nn.Module):
         return layer.mlp(x) + residual
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        filled: set[str] = set()
-        for name, tensor in weights:
-            if name in _IGNORED or "rotary_emb" in name:
-                continue
-            target, shard = name, None
-            for frag, (fused, idx) in LlamaForCausalLM._STACKED.items():
-                if frag in name:
-                    target, shard = name.replace(frag, fused), idx
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"EAGLE checkpoint tensor {name!r} has no place in the head")
-            # Each parameter copies its (fused) shard, as in LlamaForCausalLM.load_weights.
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            with torch.no_grad():
-                try:
-                    loader(param, tensor, shard)
-                except ValueError as e:
-                    raise ValueError(f"shape mismatch for {name}: {e}") from None
-            filled.add(f"{target}#{shard}")
-        num_shards = {"qkv_proj": 3, "gate_up_proj": 2}
-        missing = []
-        for pname in params:
-            n = next((v for k, v in num_shards.items() if f".{k}." in pname), None)
-            keys = [f"{pname}#None"] if n is None else [f"{pname}#{i}" for i in range(n)]
-            missing += [k for k in keys if k not in filled]
-        if missing:
-            raise ValueError(f"EAGLE checkpoint lacks: {', '.join(missing[:8])}")
+        load_fused_weights(self, weights, skip=lambda n: n in _IGNORED or "rotary_emb" in n, what="the EAGLE head")
 
 
 def iterate_head_checkpoint(folder: str) -> Iterator[tuple[str, torch.Tensor]]:

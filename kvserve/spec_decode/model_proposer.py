@@ -257,15 +257,6 @@ class _DraftSampling:
             top_k=pick(md.top_k),
             top_p=pick(md.top_p),
             min_p=pick(md.min_p),
-            seeds={},
-            generator=None,
-            presence_penalty=None,
-            frequency_penalty=None,
-            repetition_penalty=None,
-            output_token_ids=None,
-            prompt_token_ids=None,
-            banned_tokens=[],
-            max_num_logprobs=None,
         )
 
     def keys(self, sel: np.ndarray, token_index: np.ndarray) -> torch.Tensor:

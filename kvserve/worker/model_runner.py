@@ -2,6 +2,10 @@
 
 Holds the model, the KV cache tensors and its own per-request state (InputBatch); never sees scheduler objects.
 
+Devices: the CPU (numpy inputs used in place, no copies) or a GPU ("cuda"): inputs are built in numpy as on the CPU
+and copied over once per step; the KV pool is sized by profiling (worker/gpu_memory.py) and decode-only steps
+replay captured CUDA graphs (worker/cuda_graph.py) unless enforce_eager. Sampling runs where the logits are.
+
 Speculative decoding: a request scheduled with k draft tokens has them written after its known tokens in its
 InputBatch row, so they are fed like any other token; the last k + 1 positions are scored and the rejection
 sampler keeps the accepted drafts plus one token. The proposer then drafts the next step's tokens for every
@@ -40,6 +44,14 @@ from kvserve.spec_decode.base import Proposer
 from kvserve.spec_decode.build import build_proposer
 from kvserve.spec_decode.model_proposer import DraftStepInputs, ModelProposer
 from kvserve.utils import cdiv
+from kvserve.worker.cuda_graph import DecodeGraphRunner, capture_sizes
+from kvserve.worker.gpu_memory import (
+    MemorySnapshot,
+    dummy_attention_inputs,
+    dummy_sampling_metadata,
+    num_blocks_from_profile,
+    profile_run,
+)
 from kvserve.worker.input_batch import InputBatch, RequestState
 from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for, prefault_kv_cache
 from kvserve.worker.kv_transfer import KVTransfer
@@ -60,7 +72,8 @@ class _StepInputs:
     sample_idx: np.ndarray  # indices into req_ids of the requests that sample a token this step
     num_drafts: np.ndarray  # [R] draft tokens scheduled per request (0 without speculation)
     attn_inputs: AttentionInputs
-    attn_metadata: Any
+    attn_metadata: Any  # None when the step replays a CUDA graph (its metadata lives in the graph's buffers)
+    graph_size: int | None  # the padded batch size of the CUDA graph this step replays, or None (eager)
 
 
 class ModelRunner:
@@ -79,14 +92,25 @@ class ModelRunner:
         self.timer = timer or StepTimer()
         self.model_config = model_config
         self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
         self.block_size = cache_config.block_size
         self.dtype = getattr(torch, model_config.dtype)
+        self.device = torch.device(model_config.device)
+        self.on_gpu = self.device.type == "cuda"
+        self._memory_baseline: MemorySnapshot | None = None
+        if self.on_gpu:
+            if self.device.index is None:  # "cuda": the current GPU, named by index (set_device needs one)
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+            self._memory_baseline = MemorySnapshot.take(self.device)
         arch = model_config.arch
         tp = get_tp_group()
         self.tp_size = tp.world_size
         # This rank's heads: the attention backend and the KV cache see only them.
         heads = head_slice(arch.num_attention_heads, arch.num_key_value_heads, tp.world_size, tp.rank)
-        self.attn_backend = get_attn_backend(heads.num_heads, heads.num_kv_heads, arch.head_dim, self.dtype)
+        self.attn_backend = get_attn_backend(
+            heads.num_heads, heads.num_kv_heads, arch.head_dim, self.dtype, self.device, model_config.attention_backend
+        )
         start = time.perf_counter()
         self.model = load_model(model_config, self.attn_backend)
         logger.info("loaded %s in %.1fs", model_config.model, time.perf_counter() - start)
@@ -98,12 +122,16 @@ class ModelRunner:
                 f"{model_config.dtype} ({weights})",
                 torch.get_num_threads(),
                 self.attn_backend.describe(self.block_size),
+                model_config.device,
             )
         )
         self.vocab_size = arch.vocab_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.device)
         self.rejection_sampler = RejectionSampler(self.sampler)
+        # NOTE: on the CPU whatever the device: it draws only the [B] noise keys of unseeded rows, so a seed gives
+        # the same draws on any device.
         self.generator = torch.Generator().manual_seed(model_config.seed)
+        self.graphs: DecodeGraphRunner | None = None  # with the KV cache, on a GPU
         self.batch = InputBatch(
             scheduler_config.max_num_seqs,
             model_config.max_model_len,
@@ -134,14 +162,64 @@ class ModelRunner:
             self.initialize_kv_cache(self.determine_num_kv_blocks())
 
     def determine_num_kv_blocks(self) -> int:
-        """Blocks this rank's share of the KV budget holds (the budget is the engine's, split over the ranks)."""
+        """Blocks this rank's share of the KV budget holds (the budget is the engine's, split over the ranks). On a
+        GPU without an explicit budget: what a profiling run leaves of gpu_memory_utilization."""
         arch = self.model_config.arch
-        return num_blocks_for(self.cache_config, self.attn_backend, arch.num_hidden_layers, self.dtype, self.tp_size)
+        cache = self.cache_config
+        if self.on_gpu and cache.num_kv_blocks is None and cache.kv_cache_memory is None:
+            return self._profile_num_kv_blocks()
+        return num_blocks_for(cache, self.attn_backend, arch.num_hidden_layers, self.dtype, self.tp_size)
+
+    def _profile_num_kv_blocks(self) -> int:
+        assert self._memory_baseline is not None
+        sched = self.scheduler_config
+        profile = profile_run(
+            lambda: self.dummy_run(sched.max_num_batched_tokens, sched.max_num_seqs), self.device, self._memory_baseline
+        )
+        util = self.cache_config.gpu_memory_utilization
+        per_block = bytes_per_block(
+            self.attn_backend, self.block_size, self.model_config.arch.num_hidden_layers, self.dtype
+        )
+        num_blocks = num_blocks_from_profile(profile, util, per_block)
+        logger.info("GPU memory: %s", profile.describe(util))
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)",
+            num_blocks,
+            self.block_size,
+            num_blocks * per_block / 2**30,
+            num_blocks * self.block_size,
+        )
+        return num_blocks
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int, num_reqs: int) -> None:
+        """A forward of `num_tokens` prompt tokens over min(num_reqs, num_tokens) fresh requests, then logits and a
+        top-k/top-p draw for one row per request: the largest step the scheduler can form, for memory profiling.
+        Nothing is written to or read from the real KV cache (slots are -1, every block id is 0 of a one-block
+        dummy cache)."""
+        inputs = dummy_attention_inputs(num_tokens, num_reqs, self.block_size)
+        num_layers = self.model_config.arch.num_hidden_layers
+        dummy_cache = allocate_kv_cache(self.attn_backend, 1, self.block_size, num_layers, self.dtype, self.device)
+        qsl = inputs.query_start_loc
+        positions = np.arange(num_tokens) - np.repeat(qsl[:-1], np.diff(qsl))
+        hidden = self.model(
+            self._to_device(np.zeros(num_tokens, dtype=np.int64)),
+            self._to_device(positions),
+            dummy_cache,
+            self.attn_backend.build_metadata(inputs),
+        )
+        logits = self.model.compute_logits(hidden[self._to_device(qsl[1:] - 1)])
+        self.sampler(logits, dummy_sampling_metadata(len(qsl) - 1, self.device, self.generator))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(
-            self.attn_backend, num_blocks, self.block_size, self.model_config.arch.num_hidden_layers, self.dtype, "cpu"
+            self.attn_backend,
+            num_blocks,
+            self.block_size,
+            self.model_config.arch.num_hidden_layers,
+            self.dtype,
+            self.device,
         )
         self.kv_transfer = KVTransfer(
             self.kv_caches, self.kv_connector_info, self.num_swap_blocks, self._kv_transfer_config
@@ -159,6 +237,27 @@ class ModelRunner:
             )
         if self.cache_config.kv_prefault != "off":
             self.prefault_kv_cache(background=self.cache_config.kv_prefault == "background")
+        if (
+            self.on_gpu
+            and not self.model_config.enforce_eager
+            and getattr(self.attn_backend, "supports_decode_graphs", False)
+        ):
+            self.graphs = self.build_decode_graphs(capture=True)
+            self.graphs.capture()
+
+    def build_decode_graphs(self, capture: bool) -> DecodeGraphRunner:
+        """The decode-graph runner over this runner's model and KV cache (`capture=False`: the same padded,
+        buffer-fed steps run eagerly; tests use it on the CPU)."""
+        return DecodeGraphRunner(
+            self.model,
+            self.attn_backend,
+            self.kv_caches,
+            self.device,
+            capture_sizes(self.scheduler_config.max_num_seqs),
+            self.batch.block_table.shape[1],
+            self.model_config.max_model_len,
+            capture=capture,
+        )
 
     def prefault_kv_cache(self, background: bool = False) -> None:
         """Fault the whole KV pool in now (benchmarks, before timing) or from a daemon thread (the server, which
@@ -189,14 +288,23 @@ class ModelRunner:
         assert self.kv_transfer is not None, "initialize_kv_cache comes first"
         with timer.phase("prepare_inputs"):
             self._apply_scheduler_output(so)
-            self.kv_transfer.before_forward(so)
-            if so.is_empty:
+            num_scheduled = so.num_scheduled_tokens
+            failed_loads = self.kv_transfer.before_forward(so)
+            if failed_loads:
+                # Their KV is not all there: they sit this step out (the scheduler sends them again in full).
+                for req_id in failed_loads:
+                    self._forget(req_id)
+                num_scheduled = {r: n for r, n in num_scheduled.items() if r not in failed_loads}
+            if not num_scheduled:
                 return ModelRunnerOutput([], [], kv_connector_output=self.kv_transfer.after_forward(so))
-            step = self._prepare_inputs(so)
+            step = self._prepare_inputs(so, num_scheduled)
         with timer.phase("forward"):
-            hidden = self.model(
-                torch.from_numpy(step.input_ids), torch.from_numpy(step.positions), self.kv_caches, step.attn_metadata
-            )
+            if step.graph_size is not None:
+                assert self.graphs is not None
+                hidden = self.graphs.run(step.input_ids, step.positions, step.attn_inputs, step.graph_size)
+            else:
+                ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
+                hidden = self.model(ids, positions, self.kv_caches, step.attn_metadata)
         kv_connector_output = self.kv_transfer.after_forward(so)
         batch = self.batch
         batch.num_computed_tokens[step.rows] = step.seq_lens
@@ -208,7 +316,7 @@ class ModelRunner:
                 ends = step.query_start_loc[1:][step.sample_idx]
                 # The last k + 1 query tokens of each sampling request: its drafts' positions and the bonus.
                 logits_idx = np.repeat(ends - num_logits, num_logits) + _ragged_arange(num_logits)
-                logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx)])
+                logits = self.model.compute_logits(hidden[self._to_device(logits_idx)])
             with timer.phase("sample"):
                 self._sample(step, logits, num_logits, sampled_lists, logprobs_lists)
         spec_token_ids = None
@@ -228,26 +336,30 @@ class ModelRunner:
         sample_states = [step.states[i] for i in step.sample_idx]
         sample_rows = step.rows[step.sample_idx]
         if int(num_logits.max()) == 1:
-            metadata = build_sampling_metadata(sample_states, batch, self.vocab_size, self.generator)
+            metadata = build_sampling_metadata(
+                sample_states, batch, self.vocab_size, self.generator, device=self.device
+            )
             out = self.sampler(logits, metadata)
-            tokens = out.sampled_token_ids.numpy()[:, None]  # [S, 1]
+            tokens = out.sampled_token_ids.cpu().numpy()[:, None]  # [S, 1]
             num_out = np.ones(len(sample_rows), dtype=np.int64)
         else:
             # One sampling row per scored position; position j of a request sees its drafts before j as output.
             offsets = _ragged_arange(num_logits)
             row_states = [sample_states[i] for i in np.repeat(np.arange(len(sample_states)), num_logits)]
-            metadata = build_sampling_metadata(row_states, batch, self.vocab_size, self.generator, offsets)
+            metadata = build_sampling_metadata(
+                row_states, batch, self.vocab_size, self.generator, offsets, device=self.device
+            )
             num_drafts = num_logits - 1
             draft_ids = _draft_matrix(batch, sample_rows, num_drafts)
             draft_probs = None
             if isinstance(self.proposer, ModelProposer):
                 draft_probs = self.proposer.draft_probs([s.req_id for s in sample_states], draft_ids, num_drafts)
             result = self.rejection_sampler(
-                logits, metadata, DraftInputs(torch.from_numpy(draft_ids), torch.from_numpy(num_drafts), draft_probs)
+                logits, metadata, DraftInputs(self._to_device(draft_ids), self._to_device(num_drafts), draft_probs)
             )
             out = result.row_output
-            tokens = result.output_token_ids.numpy()
-            num_out = result.num_output_tokens.numpy()
+            tokens = result.output_token_ids.cpu().numpy()
+            num_out = result.num_output_tokens.cpu().numpy()
             # Only accepted positions' KV stays valid.
             batch.num_computed_tokens[sample_rows] -= num_drafts - (num_out - 1)
         starts = batch.num_tokens[sample_rows]
@@ -292,12 +404,15 @@ class ModelRunner:
                 drafts[i] = d
         return drafts
 
+    def _forget(self, req_id: str) -> None:
+        self.batch.remove(req_id)
+        if isinstance(self.proposer, ModelProposer):
+            self.proposer.forget(req_id)
+
     def _apply_scheduler_output(self, so: SchedulerOutput) -> None:
         batch = self.batch
         for req_id in so.finished_req_ids:
-            batch.remove(req_id)
-            if isinstance(self.proposer, ModelProposer):
-                self.proposer.forget(req_id)
+            self._forget(req_id)
         for new in so.scheduled_new_reqs:
             batch.add(new)
         for cached in so.scheduled_cached_reqs:
@@ -308,14 +423,15 @@ class ModelRunner:
             start = batch.num_tokens[row]
             batch.token_ids[row, start : start + len(draft_ids)] = draft_ids
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
-        """Token ids, positions, slot mapping and attention metadata for the step, by numpy indexing."""
+    def _prepare_inputs(self, so: SchedulerOutput, num_scheduled: dict[str, int]) -> _StepInputs:
+        """Token ids, positions, slot mapping and attention metadata for the step's `num_scheduled` (req_id ->
+        tokens), by numpy indexing."""
         batch = self.batch
         # Single-token queries (decodes) first: the attention backend batches them.
-        req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] > 1)
+        req_ids = sorted(num_scheduled, key=lambda r: num_scheduled[r] > 1)
         states = [batch.states[r] for r in req_ids]
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        q_lens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(states))
+        q_lens = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int64, count=len(states))
 
         start_pos = batch.num_computed_tokens[rows]
         query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
@@ -337,7 +453,8 @@ class ModelRunner:
             slot_mapping=block_ids * self.block_size + positions % self.block_size,
             block_size=self.block_size,
         )
-        attn_metadata = self.attn_backend.build_metadata(attn_inputs)
+        graph_size = self.graphs.padded_size(attn_inputs) if self.graphs is not None else None
+        attn_metadata = self.attn_backend.build_metadata(attn_inputs) if graph_size is None else None
         return _StepInputs(
             req_ids=req_ids,
             states=states,
@@ -351,7 +468,13 @@ class ModelRunner:
             num_drafts=num_drafts,
             attn_inputs=attn_inputs,
             attn_metadata=attn_metadata,
+            graph_size=graph_size,
         )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A numpy array as a tensor on the model's device (on the CPU, the same memory)."""
+        t = torch.from_numpy(array)
+        return t if not self.on_gpu else t.to(self.device, non_blocking=True)
 
     @staticmethod
     def _collect_logprobs(

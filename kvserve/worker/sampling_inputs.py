@@ -15,12 +15,14 @@ def build_sampling_metadata(
     vocab_size: int,
     generator: torch.Generator,
     offsets: np.ndarray | None = None,
+    device: torch.device | str = "cpu",
 ) -> SamplingMetadata:
     """One row per state, in order. Features no row uses are left None so the sampler skips them.
 
     `offsets` (speculative decoding): row i samples the token `offsets[i]` places after the state's known
     tokens, i.e. after that many of its draft tokens (stored past the known tokens in the batch row); its seed
-    position, min_tokens count and penalty history are those of that position.
+    position, min_tokens count and penalty history are those of that position. Tensors are made on `device`
+    (where the logits are).
     """
     if offsets is None:
         offsets = np.zeros(len(states), dtype=np.int64)
@@ -47,20 +49,23 @@ def build_sampling_metadata(
     sampling = not all_greedy
     return SamplingMetadata(
         all_greedy=all_greedy,
-        temperature=torch.tensor(temps, dtype=torch.float32) if sampling else None,
+        temperature=torch.tensor(temps, dtype=torch.float32, device=device) if sampling else None,
         top_k=_unless_all(
             [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
             vocab_size,
             torch.int64,
             sampling,
+            device,
         ),
-        top_p=_unless_all([float(p.top_p) for p in params], 1.0, torch.float32, sampling),
-        min_p=_unless_all([float(p.min_p) for p in params], 0.0, torch.float32, sampling),
+        top_p=_unless_all([float(p.top_p) for p in params], 1.0, torch.float32, sampling, device),
+        min_p=_unless_all([float(p.min_p) for p in params], 0.0, torch.float32, sampling, device),
         seeds=seeds,
         generator=generator,
-        presence_penalty=_unless_all([p.presence_penalty for p in params], 0.0, torch.float32, use_penalties),
-        frequency_penalty=_unless_all([p.frequency_penalty for p in params], 0.0, torch.float32, use_penalties),
-        repetition_penalty=_unless_all([p.repetition_penalty for p in params], 1.0, torch.float32, use_penalties),
+        presence_penalty=_unless_all([p.presence_penalty for p in params], 0.0, torch.float32, use_penalties, device),
+        frequency_penalty=_unless_all([p.frequency_penalty for p in params], 0.0, torch.float32, use_penalties, device),
+        repetition_penalty=_unless_all(
+            [p.repetition_penalty for p in params], 1.0, torch.float32, use_penalties, device
+        ),
         output_token_ids=[batch.output_token_ids(s, int(o)) for s, o in zip(states, offsets, strict=True)]
         if use_penalties
         else None,
@@ -70,7 +75,9 @@ def build_sampling_metadata(
     )
 
 
-def _unless_all(values: list, neutral: float, dtype: torch.dtype, enabled: bool) -> torch.Tensor | None:
+def _unless_all(
+    values: list, neutral: float, dtype: torch.dtype, enabled: bool, device: torch.device | str
+) -> torch.Tensor | None:
     if not enabled or all(v == neutral for v in values):
         return None
-    return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, device=device)

@@ -5,31 +5,21 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.base import KVCache
+from kvserve.worker.kv_cache import blocks_view
 
 
 class SwapSpace:
     def __init__(self, num_swap_blocks: int, kv_caches: list[KVCache]) -> None:
-        k = kv_caches[0][0]
-        self.kv_caches = kv_caches
-        # [2 * num_layers, num_swap_blocks, block_size, num_kv_heads, head_dim]; pages fault in on first use.
-        self.blocks = torch.empty((2 * len(kv_caches), num_swap_blocks, *k.shape[1:]), dtype=k.dtype)
+        self.pool = blocks_view(kv_caches)  # [num_blocks, 2 * num_layers, block_size, num_kv_heads, head_dim]
+        # [num_swap_blocks, 2 * num_layers, block_size, num_kv_heads, head_dim]; pages fault in on first use.
+        self.blocks = torch.empty((num_swap_blocks, *self.pool.shape[1:]), dtype=self.pool.dtype)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, swap block) pairs: device -> swap."""
-        if not pairs:
-            return
-        src = torch.tensor([p[0] for p in pairs])
-        dst = torch.tensor([p[1] for p in pairs])
-        for layer, (k, v) in enumerate(self.kv_caches):
-            self.blocks[2 * layer].index_copy_(0, dst, k[src])
-            self.blocks[2 * layer + 1].index_copy_(0, dst, v[src])
+        for device, swap in pairs:
+            self.blocks[swap].copy_(self.pool[device])
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, swap block) pairs: swap -> device."""
-        if not pairs:
-            return
-        dst = torch.tensor([p[0] for p in pairs])
-        src = torch.tensor([p[1] for p in pairs])
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k.index_copy_(0, dst, self.blocks[2 * layer][src])
-            v.index_copy_(0, dst, self.blocks[2 * layer + 1][src])
+        for device, swap in pairs:
+            self.pool[device].copy_(self.blocks[swap])

@@ -16,7 +16,7 @@ import socket
 from kvserve.config import EngineConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.outputs import ModelRunnerOutput
-from kvserve.threads import ThreadPlan, apply_thread_plan
+from kvserve.threads import ThreadPlan, apply_thread_plan, set_compute_threads
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,11 @@ class Worker:
         self.runner = ModelRunner(
             c.model, c.cache, c.scheduler, timer, c.speculative, c.kv_transfer, allocate_kv_cache=False
         )
+
+    def set_num_threads(self, num_threads: int) -> None:
+        """The engine's run-time thread adaptation (kvserve/thread_adapt.py): this rank's compute threads from the
+        next step on."""
+        set_compute_threads(num_threads)
 
     def determine_num_kv_blocks(self) -> int:
         return self.runner.determine_num_kv_blocks()

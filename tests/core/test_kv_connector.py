@@ -1,11 +1,15 @@
-"""The scheduler with a fake KV connector (loads that take several steps, loads that fail, aborts while loading)
-and with swap preemption, against the pure-function fake model of tests/core/helpers.py."""
+"""The scheduler with a fake KV connector (asynchronous loads over several steps, synchronous loads within the step
+that computes the rest, loads of either kind that fail, aborts while loading) and with swap preemption, against the
+pure-function fake model of tests/core/helpers.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import pytest
 
 from kvserve.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
 from kvserve.kv_transfer.base import (
     KVConnectorInfo,
@@ -29,14 +33,16 @@ BS = 4
 @dataclass
 class FakeMeta(KVConnectorMetadata):
     loads: dict[str, list[int]] = field(default_factory=dict)  # req_id -> block ids to load
+    load_async: bool = True
 
 
 class FakeConnector(KVConnectorScheduler):
     """Holds whatever prefixes `stored` lists (by block hash); its worker is simulated by FakeWorker."""
 
-    def __init__(self, stored: set[bytes]) -> None:
+    def __init__(self, stored: set[bytes], load_async: bool = True) -> None:
         super().__init__(KVTransferConfig("fake"), KVConnectorInfo(BS, 1, 64, "fake"))
         self.stored = stored
+        self.load_async = load_async
         self._pending: dict[str, list[int]] = {}
         self.finished: list[str] = []
         self.reports: list[KVConnectorOutput] = []
@@ -47,7 +53,7 @@ class FakeConnector(KVConnectorScheduler):
             if h not in self.stored:
                 break
             n += 1
-        return n * BS
+        return n * BS, self.load_async
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         start = request.num_computed_tokens // BS
@@ -55,7 +61,7 @@ class FakeConnector(KVConnectorScheduler):
             self._pending[request.request_id] = block_ids[start : start + num_external_tokens // BS]
 
     def build_connector_meta(self, scheduler_output, requests):
-        meta = FakeMeta(self._pending)
+        meta = FakeMeta(self._pending, self.load_async)
         self._pending = {}
         return meta
 
@@ -68,26 +74,50 @@ class FakeConnector(KVConnectorScheduler):
 
 
 class FakeWorker:
-    """Finishes each load `num_steps` steps after it starts; `fail_at` (block index) fails it there."""
+    """Finishes each asynchronous load `num_steps` steps after it starts, each synchronous one in `start_load_kv`;
+    `fail_at` (block index) fails every load there."""
 
-    def __init__(self, num_steps: int, fail_at: int | None = None) -> None:
+    def __init__(self, num_steps: int = 1, fail_at: int | None = None) -> None:
         self.num_steps = num_steps
         self.fail_at = fail_at
-        self.in_flight: dict[str, list] = {}  # req_id -> [steps left, num blocks]
+        self.in_flight: dict[str, int] = {}  # req_id -> steps left
+        self._out = KVConnectorOutput()
 
-    def step(self, meta: FakeMeta) -> KVConnectorOutput:
-        for req_id, block_ids in meta.loads.items():
-            self.in_flight[req_id] = [self.num_steps, len(block_ids)]
-        out = KVConnectorOutput()
-        for req_id, state in list(self.in_flight.items()):
-            state[0] -= 1
-            if state[0] == 0:
+    def _done(self, req_id: str) -> None:
+        if self.fail_at is None:
+            self._out.finished_loading.add(req_id)
+        else:
+            self._out.failed_loading[req_id] = self.fail_at * BS
+
+    def start_load_kv(self, meta: FakeMeta) -> set[str]:
+        for req_id in meta.loads:
+            if meta.load_async:
+                self.in_flight[req_id] = self.num_steps
+            else:
+                self._done(req_id)
+        return set(self._out.failed_loading)
+
+    def get_finished(self) -> KVConnectorOutput:
+        for req_id in list(self.in_flight):
+            self.in_flight[req_id] -= 1
+            if self.in_flight[req_id] == 0:
                 del self.in_flight[req_id]
-                if self.fail_at is None:
-                    out.finished_loading.add(req_id)
-                else:
-                    out.failed_loading[req_id] = self.fail_at * BS
+                self._done(req_id)
+        out, self._out = self._out, KVConnectorOutput()
         return out
+
+
+def run_step(s: Scheduler, so: SchedulerOutput, runner: FakeRunner, worker: FakeWorker):
+    """One step as the real runner runs it: loads first, requests whose synchronous load failed left out."""
+    skipped = worker.start_load_kv(so.kv_connector_metadata)
+    forward = replace(
+        so,
+        scheduled_new_reqs=[new for new in so.scheduled_new_reqs if new.req_id not in skipped],
+        num_scheduled_tokens={r: n for r, n in so.num_scheduled_tokens.items() if r not in skipped},
+    )
+    ro = runner.execute(forward)
+    ro.kv_connector_output = worker.get_finished()
+    return s.update_from_output(so, ro)
 
 
 def drive(s: Scheduler, worker: FakeWorker, requests, on_step=None, max_steps: int = 500):
@@ -101,9 +131,7 @@ def drive(s: Scheduler, worker: FakeWorker, requests, on_step=None, max_steps: i
             break
         so = s.schedule()
         history.append(so)
-        ro = runner.execute(so)
-        ro.kv_connector_output = worker.step(so.kv_connector_metadata)
-        for out in s.update_from_output(so, ro):
+        for out in run_step(s, so, runner, worker):
             outputs[out.request_id].extend(out.new_token_ids)
         if on_step is not None:
             on_step(step, s)
@@ -185,9 +213,7 @@ def test_abort_while_loading_frees_blocks_only_after_the_load_reports():
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert s.kv.get_block_ids("a") == held and s.has_unfinished_requests()  # the load still writes them
     for _ in range(5):
-        ro = runner.execute(so)
-        ro.kv_connector_output = worker.step(so.kv_connector_metadata)
-        s.update_from_output(so, ro)
+        run_step(s, so, runner, worker)
         if not s.has_unfinished_requests():
             break
         so = s.schedule()
@@ -207,6 +233,59 @@ def test_local_prefix_hits_come_before_the_connector():
     assert_no_leak(s)
 
 
+# ---------------------------------------------------------------------------------------------- synchronous loads
+
+
+def test_sync_load_computes_the_rest_in_the_same_step():
+    prompt = list(range(10, 31))
+    conn = FakeConnector(stored_prefix(prompt, 3), load_async=False)
+    s = with_connector(conn)
+    req = make_request("a", prompt, max_tokens=6, block_size=BS)
+    s.add_request(req)
+    so = s.schedule()
+    # Admitted at once with the 12 loaded tokens computed, the other 9 scheduled; never waiting for the load.
+    (new,) = so.scheduled_new_reqs
+    assert new.num_computed_tokens == 12 and so.num_scheduled_tokens == {"a": 9}
+    assert so.kv_connector_metadata.loads == {"a": new.block_ids[:3]}
+    assert req.status == RequestStatus.RUNNING and not s.loading
+    # Until the load is reported, its blocks (and those the step computes after them) are no prefix hits.
+    other = make_request("b", prompt, max_tokens=2, block_size=BS)
+    assert s.kv.get_computed_blocks(other) == ([], 0)
+    runner, worker = FakeRunner(), FakeWorker()
+    outputs = run_step(s, so, runner, worker)
+    assert [o.new_token_ids for o in outputs] == [reference_output(prompt, 1)]
+    assert s.kv.get_computed_blocks(other)[1] == 20
+    while s.has_unfinished_requests():
+        for out in run_step(s, s.schedule(), runner, worker):
+            outputs.append(out)
+    assert [t for o in outputs for t in o.new_token_ids] == reference_output(prompt, 6)
+    assert req.num_cached_tokens == 12 and conn.finished == ["a"]
+    assert_no_leak(s)
+
+
+@pytest.mark.parametrize("fail_at", [0, 1])
+def test_failed_sync_load_sits_out_its_step_and_recomputes_without_losing_the_request(fail_at):
+    prompt = list(range(40, 63))
+    conn = FakeConnector(stored_prefix(prompt, 4), load_async=False)
+    s = with_connector(conn)
+    req = make_request("a", prompt, max_tokens=5, block_size=BS)
+    other = make_request("b", list(range(200, 209)), max_tokens=5, block_size=BS)
+    outputs, history = drive(s, FakeWorker(fail_at=fail_at), [req, other])
+    first, second = history[0], history[1]
+    assert [new.req_id for new in first.scheduled_new_reqs] == ["a", "b"]
+    assert first.num_scheduled_tokens["a"] == 23 - 16
+    # The failed request was left out of the forward pass (the other one ran), then sent again in full from the
+    # tokens that did load; the runner was told to forget it in between.
+    assert "a" in second.finished_req_ids
+    (again,) = [new for new in second.scheduled_new_reqs if new.req_id == "a"]
+    assert again.num_computed_tokens == fail_at * BS and second.num_scheduled_tokens["a"] == 23 - fail_at * BS
+    assert outputs["a"] == reference_output(prompt, 5)
+    assert outputs["b"] == reference_output(other.prompt_token_ids, 5)
+    assert req.num_cached_tokens == fail_at * BS
+    assert any("a" in r.failed_loading for r in conn.reports)
+    assert_no_leak(s)
+
+
 # ---------------------------------------------------------------------------------------------- swap preemption
 
 
@@ -219,14 +298,26 @@ def swap_scheduler(num_blocks: int, num_swap_blocks: int) -> Scheduler:
     )
 
 
-def test_swap_preemption_resumes_with_its_computed_tokens():
-    s = swap_scheduler(num_blocks=10, num_swap_blocks=64)
-    reqs = [
+def swap_requests():
+    """Three decodes that a pool of 10 blocks cannot hold at once."""
+    return [
         make_request(f"r{i}", list(range(100 * i + 5, 100 * i + 15)), max_tokens=12, block_size=BS) for i in range(3)
     ]
+
+
+def run_swapped(num_swap_blocks: int) -> tuple[Scheduler, list[SchedulerOutput]]:
+    """Run swap_requests() to completion on a 10-block pool; every output must match the reference."""
+    s = swap_scheduler(num_blocks=10, num_swap_blocks=num_swap_blocks)
+    reqs = swap_requests()
     outputs, history = run_to_completion(s, reqs)
     for r in reqs:
         assert outputs[r.request_id] == reference_output(r.prompt_token_ids, 12)
+    assert_no_leak(s)
+    return s, history
+
+
+def test_swap_preemption_resumes_with_its_computed_tokens():
+    s, history = run_swapped(num_swap_blocks=64)
     assert s.swap is not None and s.swap.stats.num_swapped_out > 0
     assert s.swap.stats.num_swapped_in == s.swap.stats.num_swapped_out
     assert s.swap.num_free_blocks == 64
@@ -239,27 +330,17 @@ def test_swap_preemption_resumes_with_its_computed_tokens():
     for so in ins:
         swapped_in = {d for d, _ in so.blocks_to_swap_in}
         assert swapped_in <= {b for new in so.scheduled_new_reqs for b in new.block_ids}
-    assert_no_leak(s)
 
 
 def test_swap_falls_back_to_recompute_when_the_swap_space_is_full():
-    s = swap_scheduler(num_blocks=10, num_swap_blocks=1)
-    reqs = [
-        make_request(f"r{i}", list(range(100 * i + 5, 100 * i + 15)), max_tokens=12, block_size=BS) for i in range(3)
-    ]
-    outputs, _ = run_to_completion(s, reqs)
-    for r in reqs:
-        assert outputs[r.request_id] == reference_output(r.prompt_token_ids, 12)
+    s, _ = run_swapped(num_swap_blocks=1)
     assert s.swap is not None and s.swap.stats.num_swap_fallbacks > 0
     assert s.swap.num_free_blocks == 1
-    assert_no_leak(s)
 
 
 def test_abort_of_a_swapped_request_frees_its_swap_blocks():
     s = swap_scheduler(num_blocks=10, num_swap_blocks=64)
-    reqs = [
-        make_request(f"r{i}", list(range(100 * i + 5, 100 * i + 15)), max_tokens=12, block_size=BS) for i in range(3)
-    ]
+    reqs = swap_requests()
     for r in reqs:
         s.add_request(r)
     runner = FakeRunner()

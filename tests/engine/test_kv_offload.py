@@ -10,6 +10,9 @@ import random
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.kv_transfer.base import KVConnectorOutput
+from kvserve.kv_transfer.factory import register_connector
+from kvserve.kv_transfer.offload.worker import OffloadConnectorWorker
 from tests.conftest import assert_all_blocks_free
 
 MODEL = "llama-gqa-untied"
@@ -68,6 +71,47 @@ def test_ram_tier_hits_beyond_the_pool_are_token_identical(model_path, reference
     assert run(llm, conversations()) == reference
     stats = llm.stats()["kv_transfer"]
     assert stats["ram_hit_blocks"] > 0 and stats["ram_loaded_bytes"] > 0 and stats["ram_saved_bytes"] > 0
+    assert_clean(llm)
+
+
+class FailingRamLoads(OffloadConnectorWorker):
+    """The offload worker, but every synchronous (RAM-only) load of two blocks or more fails after its first block,
+    with garbage written over the rest: a forward pass that read them would change the output."""
+
+    def __init__(self, config, info) -> None:
+        super().__init__(config, info)
+        self._failed: dict[str, int] = {}
+
+    def start_load_kv(self, metadata) -> set[str]:
+        failed = super().start_load_kv(metadata)
+        for req_id, loads in metadata.loads.items():
+            if req_id in self._finished and len(loads) > 1:
+                self._finished.discard(req_id)
+                for block_id, _, _ in loads[1:]:
+                    self.pool[block_id].fill_(1e4)
+                self._failed[req_id] = self.info.block_size
+        return failed | set(self._failed)
+
+    def get_finished(self, idle: bool) -> KVConnectorOutput:
+        out = super().get_finished(idle)
+        out.failed_loading.update(self._failed)
+        self._failed = {}
+        return out
+
+
+register_connector(
+    "failing-ram-loads",
+    "kvserve.kv_transfer.offload.scheduler:OffloadConnectorScheduler",
+    f"{__name__}:FailingRamLoads",
+)
+
+
+def test_failed_synchronous_loads_are_recomputed_token_identical(model_path, reference):
+    config = {"kv_connector": "failing-ram-loads", "cpu_bytes": 1 << 20}
+    llm = LLM(model_path, kv_transfer_config=config, **ENGINE)
+    assert run(llm, conversations()) == reference
+    stats = llm.stats()["kv_transfer"]
+    assert stats["failed_loads"] > 0 and stats["ram_hit_blocks"] > 0
     assert_clean(llm)
 
 

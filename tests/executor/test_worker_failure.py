@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import httpx
@@ -15,7 +14,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.executor.base import WorkerFailedError
-from tests.entrypoints.openai.server_utils import Server, all_gone, child_pids
+from tests.entrypoints.openai.server_utils import Server, all_gone, child_pids, start_two_long_requests
 
 
 def worker_pids(server: Server) -> list[int]:
@@ -38,34 +37,7 @@ def test_killing_a_worker_fails_health_and_in_flight_requests(tiny_model_factory
         workers = worker_pids(server)
         assert len(workers) == 2, workers
         engine_pids = server.engine_pids + workers
-        client = server.client(timeout=30)
-        outcome: dict[str, object] = {}
-
-        def streaming():
-            try:
-                for _ in client.completions.create(
-                    model=model, prompt="Tell me", max_tokens=480, stream=True, extra_body={"ignore_eos": True}
-                ):
-                    pass
-                outcome["stream"] = "completed"
-            except openai.APIError as e:
-                outcome["stream"] = e
-            outcome["stream_t"] = time.time()
-
-        def blocking():
-            try:
-                client.completions.create(model=model, prompt=[7] * 20, max_tokens=480, extra_body={"ignore_eos": True})
-                outcome["plain"] = "completed"
-            except openai.APIStatusError as e:
-                outcome["plain"] = e
-            outcome["plain_t"] = time.time()
-
-        threads = [threading.Thread(target=streaming), threading.Thread(target=blocking)]
-        for t in threads:
-            t.start()
-        deadline = time.time() + 20
-        while server.metric("kvserve:num_requests_running") < 2 and time.time() < deadline:
-            time.sleep(0.02)
+        threads, outcome = start_two_long_requests(server, model, wait_s=20)
         os.kill(workers[1], signal.SIGKILL)  # rank 1; both requests are mid-generation
         killed = time.time()
         health = None

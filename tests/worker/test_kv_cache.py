@@ -6,7 +6,13 @@ import torch
 
 from kvserve.attention.torch_ref import TorchRefAttentionBackend
 from kvserve.config import CacheConfig
-from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for, prefault_kv_cache
+from kvserve.worker.kv_cache import (
+    allocate_kv_cache,
+    blocks_view,
+    bytes_per_block,
+    num_blocks_for,
+    prefault_kv_cache,
+)
 
 NUM_LAYERS = 3
 
@@ -62,3 +68,15 @@ def test_num_blocks_from_a_budget_uses_the_backends_block_size():
     per_block = bytes_per_block(backend(), 16, NUM_LAYERS, torch.bfloat16)
     config = CacheConfig(block_size=16, kv_cache_memory=10 * per_block + per_block // 2)
     assert num_blocks_for(config, backend(), NUM_LAYERS, torch.bfloat16) == 10
+
+
+def test_blocks_view_is_the_pool_by_block_and_refuses_other_layouts():
+    caches = allocate_kv_cache(backend(torch.float32), 6, 16, NUM_LAYERS, torch.float32, "cpu")
+    view = blocks_view(caches)
+    assert view.shape == (6, 2 * NUM_LAYERS, 16, 2, 8)
+    view[4].copy_(torch.arange(2 * NUM_LAYERS, dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 16, 2, 8))
+    for layer, (k, v) in enumerate(caches):
+        assert (k[4] == 2 * layer).all() and (v[4] == 2 * layer + 1).all()
+        assert not k[3].any() and not v[5].any()
+    with pytest.raises(ValueError, match="back to back"):
+        blocks_view([(v, k) for k, v in caches])  # out of order

@@ -103,6 +103,10 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T], on_disco
         return None
     finally:
         watch.cancel()
+        if not work_task.done():
+            # We were cancelled ourselves (the server's graceful-shutdown timeout cancels in-flight handlers): the
+            # work must not outlive us, or the shutdown's abort later fails it with nobody to read the error.
+            work_task.cancel()
 
 
 async def stream_unless_disconnected(

@@ -19,6 +19,13 @@ at::Tensor linear_packed(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<a
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale);
 std::tuple<at::Tensor, at::Tensor> rotate_normalize(at::Tensor x, c10::optional<at::Tensor> signs);
+std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::optional<at::Tensor> residual,
+                                                       std::vector<at::Tensor> weights,
+                                                       c10::optional<at::Tensor> qkv_bias, std::vector<int64_t> sizes,
+                                                       double eps, at::Tensor positions, at::Tensor cos,
+                                                       at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
+                                                       at::Tensor slot_mapping, at::Tensor block_table,
+                                                       at::Tensor seq_lens, double scale, bool packed);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_isa", [] { return std::string(kvserve::kVecIsa); }, "the vector helpers this library was built with");
@@ -36,5 +43,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("n"), py::arg("bias") = py::none());
   m.def("rotate_normalize", &rotate_normalize, "int8 linear input: rows (rotated per 64-block) divided by their max",
         py::arg("x"), py::arg("signs") = py::none());
+  m.def("llama_decoder_layer", &llama_decoder_layer, "a whole Llama decoder layer over kernel-attention rows");
   m.def("sample_gumbel", &sample_gumbel, "one categorical draw per row of logits (Gumbel-max, hashed noise)");
 }

@@ -40,8 +40,8 @@ def hash_of(name: str) -> bytes | None:
         return None
 
 
-def write_block(path: str, digest: bytes, payload: bytes) -> None:
-    """Atomic: readers see the old file, no file, or the whole new one."""
+def write_block(path: str, digest: bytes, payload: bytes | memoryview) -> None:
+    """Atomic: readers see the old file, no file, or the whole new one. `payload` is flat (len() counts bytes)."""
     header = _HEADER.pack(_MAGIC, _VERSION, digest, len(payload), xxhash.xxh3_64_intdigest(payload))
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -50,20 +50,22 @@ def write_block(path: str, digest: bytes, payload: bytes) -> None:
     os.replace(tmp, path)
 
 
-def read_block(path: str, digest: bytes, payload_bytes: int) -> bytes:
+def read_block(path: str, digest: bytes, payload_bytes: int) -> memoryview:
+    """The payload, checked, as a writable view (torch.frombuffer takes it without a copy)."""
+    data = bytearray(_HEADER.size + payload_bytes + 1)
     try:
         with open(path, "rb") as f:
-            data = f.read(_HEADER.size + payload_bytes + 1)
+            size = f.readinto(data)
     except OSError as e:
         raise BadBlockFile(f"cannot read: {e.strerror or e}") from None
-    if len(data) != _HEADER.size + payload_bytes:
-        raise BadBlockFile(f"size {len(data)} bytes, expected {_HEADER.size + payload_bytes}")
+    if size != _HEADER.size + payload_bytes:
+        raise BadBlockFile(f"size {size} bytes, expected {_HEADER.size + payload_bytes}")
     magic, version, file_digest, length, checksum = _HEADER.unpack_from(data)
     if magic != _MAGIC or version != _VERSION or length != payload_bytes:
         raise BadBlockFile("not a kvserve block file of this version")
     if file_digest != digest:
         raise BadBlockFile("written for another model or KV layout")
-    payload = data[_HEADER.size :]
+    payload = memoryview(data)[_HEADER.size : size]
     if xxhash.xxh3_64_intdigest(payload) != checksum:
         raise BadBlockFile("checksum mismatch")
     return payload

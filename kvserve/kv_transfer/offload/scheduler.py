@@ -9,7 +9,9 @@ cache's chained block hashes, so a hit anywhere means the same whole prefix:
 - Disk tier: written behind RAM (each RAM save of a block the disk lacks also queues a file write on the worker's
   I/O thread); an entry exists only once the worker reports the file written, and start-up indexes the files a
   previous engine left (oldest first). LRU within `disk_bytes`; evicted files are deleted by the worker.
-Loads pin their entries until the worker reports them done; a block that failed to load leaves the index.
+A hit held wholly in RAM loads synchronously (the worker copies it in before the step's forward pass, and the request
+computes its remaining tokens in that step); a hit with any block on disk loads asynchronously. Loads pin their
+entries until the worker reports them done; a block that failed to load leaves the index.
 """
 
 from __future__ import annotations
@@ -118,15 +120,19 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
             return self.disk
         return None
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """RAM hits load synchronously (a copy before the forward pass); a hit with any block on disk loads on the
+        worker's I/O thread, asynchronously."""
         start = num_computed_tokens // self.block_size
         end = (request.num_tokens - 1) // self.block_size  # at least one token is left to compute
-        n = 0
+        n, on_disk = 0, False
         for block_hash in request.block_hashes[start:end]:
-            if self._tier_of(block_hash) is None:
+            tier = self._tier_of(block_hash)
+            if tier is None:
                 break
             n += 1
-        return n * self.block_size
+            on_disk = on_disk or tier is not self.ram
+        return n * self.block_size, on_disk
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         start = request.num_computed_tokens // self.block_size

@@ -1,10 +1,11 @@
 """The offload connector's worker side: the RAM tier's memory, the disk tier's files, and the copies.
 
-RAM loads and saves are tensor copies on the calling thread (a block is a few hundred KiB: the copy is far
-cheaper than a thread hand-off on the CPU engine). Disk writes and disk loads run on one I/O thread, in order, so
-a delete, a write and a later read of the same file never race; a request with disk blocks finishes loading when
-that thread has read, checked and copied them. A bad file (missing, short, foreign, checksum) fails the load from
-that block on, is deleted, and is reported so the scheduler side forgets it; the scheduler recomputes those tokens.
+RAM loads and saves are tensor copies on the calling thread, one strided copy per block across every layer (a block
+is a few hundred KiB: the copy is far cheaper than a thread hand-off on the CPU engine). Disk writes and disk loads
+run on one I/O thread, in order, so a delete, a write and a later read of the same file never race; a request with
+disk blocks finishes loading when that thread has read, checked and copied them. A bad file (missing, short,
+foreign, checksum) fails the load from that block on, is deleted, and is reported so the scheduler side forgets it;
+the scheduler recomputes those tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvserve.kv_transfer.base import KVConnectorInfo, KVConnectorOutput, KVConne
 from kvserve.kv_transfer.offload import disk_format
 from kvserve.kv_transfer.offload.options import OffloadOptions, layout_dir
 from kvserve.kv_transfer.offload.scheduler import DISK, OffloadMetadata, OffloadReport
+from kvserve.worker.kv_cache import blocks_view
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ class OffloadConnectorWorker(KVConnectorWorker):
         super().__init__(config, info)
         self.options = OffloadOptions.from_config(config)
         self.num_slots = self.options.cpu_bytes // info.block_bytes
+        self.pool: torch.Tensor | None = None  # [num_blocks, 2 * num_layers, block_size, num_kv_heads, head_dim]
         self.ram: torch.Tensor | None = None  # [num_slots, 2 * num_layers, block_size, num_kv_heads, head_dim]
         self.dir = layout_dir(self.options.disk_path, info.layout_id) if self.options.disk_path else None
         self._digest = disk_format.layout_digest(info.layout_id)
@@ -46,9 +49,10 @@ class OffloadConnectorWorker(KVConnectorWorker):
 
     def register_kv_caches(self, kv_caches: list) -> None:
         super().register_kv_caches(kv_caches)
-        k = kv_caches[0][0]
+        self.pool = blocks_view(kv_caches)
         # torch.empty: pages are faulted in when a slot is first written, so an unused budget costs nothing.
-        self.ram = torch.empty((self.num_slots, 2 * len(kv_caches), *k.shape[1:]), dtype=k.dtype)
+        # A slot holds a block in the disk files' payload order.
+        self.ram = torch.empty((self.num_slots, *self.pool.shape[1:]), dtype=self.pool.dtype)
 
     def _count(self, key: str, value: float) -> None:
         with self._lock:
@@ -56,7 +60,9 @@ class OffloadConnectorWorker(KVConnectorWorker):
 
     # ------------------------------------------------------------------ loads
 
-    def start_load_kv(self, metadata) -> None:
+    def start_load_kv(self, metadata) -> set[str]:
+        """RAM blocks are copied in now (a load wholly from RAM is synchronous, and a RAM copy cannot fail); disk
+        blocks are read on the I/O thread."""
         assert isinstance(metadata, OffloadMetadata) and self.ram is not None
         if metadata.disk_deletes:
             assert self._io is not None
@@ -66,7 +72,8 @@ class OffloadConnectorWorker(KVConnectorWorker):
             ram = [(block_id, slot) for block_id, slot, _ in loads if slot != DISK]
             if ram:
                 start = time.perf_counter()
-                self._copy_in([b for b, _ in ram], [s for _, s in ram])
+                for block_id, slot in ram:
+                    self.pool[block_id].copy_(self.ram[slot])  # type: ignore[index]
                 self._count("load_time_s", time.perf_counter() - start)
                 self._count("ram_loaded_bytes", len(ram) * self.info.block_bytes)
             disk = [(i, block_id, block_hash) for i, (block_id, slot, block_hash) in enumerate(loads) if slot == DISK]
@@ -75,14 +82,7 @@ class OffloadConnectorWorker(KVConnectorWorker):
                 self._disk_loads[req_id] = self._io.submit(self._load_from_disk, disk)
             else:
                 self._finished.add(req_id)
-
-    def _copy_in(self, block_ids: list[int], slots: list[int]) -> None:
-        assert self.ram is not None
-        dst, src = torch.tensor(block_ids), torch.tensor(slots)
-        rows = self.ram[src]  # [n, 2L, ...]
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k[dst] = rows[:, 2 * layer]
-            v[dst] = rows[:, 2 * layer + 1]
+        return set()
 
     def _load_from_disk(self, disk: list[tuple[int, int, bytes]]) -> tuple[int | None, bytes | None]:
         """Runs on the I/O thread. Returns (index in the request's loads of the first block that failed, or None;
@@ -99,11 +99,9 @@ class OffloadConnectorWorker(KVConnectorWorker):
                     os.unlink(path)
                 self._count("load_time_s", time.perf_counter() - start)
                 return index, block_hash
-            rows = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.ram.dtype)  # type: ignore[union-attr]
-            rows = rows.view(2 * len(self.kv_caches), *self.kv_caches[0][0].shape[1:])
-            for layer, (k, v) in enumerate(self.kv_caches):
-                k[block_id] = rows[2 * layer]
-                v[block_id] = rows[2 * layer + 1]
+            assert self.pool is not None
+            rows = torch.frombuffer(payload, dtype=torch.uint8).view(self.pool.dtype).view(self.pool.shape[1:])
+            self.pool[block_id].copy_(rows)
             self._count("disk_loaded_bytes", len(payload))
         self._count("load_time_s", time.perf_counter() - start)
         return None, None
@@ -116,27 +114,20 @@ class OffloadConnectorWorker(KVConnectorWorker):
         saves, self._pending_saves = self._pending_saves, []
         if not saves:
             return
-        assert self.ram is not None
+        assert self.ram is not None and self.pool is not None
         start = time.perf_counter()
-        src = torch.tensor([s[0] for s in saves])
-        dst = torch.tensor([s[1] for s in saves])
-        rows = torch.empty((len(saves), *self.ram.shape[1:]), dtype=self.ram.dtype)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            rows[:, 2 * layer] = k[src]
-            rows[:, 2 * layer + 1] = v[src]
-        # Two saves of one step may share a slot (the first evicted by the second): only the last is indexed.
-        last = {slot: i for i, slot in enumerate(dst.tolist())}
-        keep = torch.tensor(sorted(last.values()))
-        self.ram.index_copy_(0, dst[keep], rows[keep])
-        self._count("ram_saved_bytes", len(saves) * self.info.block_bytes)
-        for i, (_, _, block_hash, to_disk) in enumerate(saves):
+        # In order: two saves of one step may share a slot (the first evicted by the second), and the index holds
+        # the last. A disk write gets its own copy, since the slot may be reused before the I/O thread reads it.
+        for block_id, slot, block_hash, to_disk in saves:
+            self.ram[slot].copy_(self.pool[block_id])
             if to_disk:
                 assert self._io is not None
-                payload = rows[i].view(torch.uint8).numpy().tobytes()
+                payload = memoryview(self.ram[slot].clone().view(torch.uint8).reshape(-1).numpy())
                 self._writes.append(self._io.submit(self._write, block_hash, payload))
+        self._count("ram_saved_bytes", len(saves) * self.info.block_bytes)
         self._count("save_time_s", time.perf_counter() - start)
 
-    def _write(self, block_hash: bytes, payload: bytes) -> bytes | None:
+    def _write(self, block_hash: bytes, payload: memoryview) -> bytes | None:
         assert self.dir is not None
         start = time.perf_counter()
         try:

@@ -6,6 +6,8 @@ bf16 first would only add ties (bf16 steps are 0.125 at logits of 16-32) and two
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -22,12 +24,18 @@ def quantize_linears(model: nn.Module, method: str) -> int:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(QUANTIZATION_METHODS)}")
     if not int8_linear_available():
         raise RuntimeError("quantization int8 needs torch's fbgemm quantized engine, which this torch build lacks")
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    # Quality experiments only (kvserve bench perplexity): KVSERVE_INT8_ROTATE=0 quantizes without the block
+    # rotation; KVSERVE_INT8_KEEP_FLOAT=lm_head,down_proj leaves linears whose names end so in float.
+    rotate = os.environ.get("KVSERVE_INT8_ROTATE", "1") != "0"
+    keep = tuple(s for s in os.environ.get("KVSERVE_INT8_KEEP_FLOAT", "").split(",") if s)
+    targets = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, Linear) and not (keep and name.endswith(keep))
+    ]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         out_dtype = torch.float32 if isinstance(linear, ParallelLMHead) else None
-        setattr(parent, child, Int8Linear.from_float(linear.weight, linear.bias, out_dtype=out_dtype))
+        setattr(parent, child, Int8Linear.from_float(linear.weight, linear.bias, rotate=rotate, out_dtype=out_dtype))
     return len(targets)
 
 

@@ -9,9 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
+import openai
 
 
 def free_port() -> int:
@@ -146,3 +148,45 @@ class Server:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def start_two_long_requests(server: Server, model: str, wait_s: float = 10.0) -> tuple[list[threading.Thread], dict]:
+    """A streaming and a blocking completion of 480 tokens each, in threads; returns once both are running (or after
+    `wait_s`). The returned dict gets "stream" / "plain" = "completed" or the openai error each ended with, and
+    "stream_t" / "plain_t" = when."""
+    client = server.client(timeout=30)
+    outcome: dict[str, object] = {}
+
+    def streaming():
+        try:
+            for _ in client.completions.create(
+                model=model,
+                prompt="Tell me",
+                max_tokens=480,
+                stream=True,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            ):
+                pass
+            outcome["stream"] = "completed"
+        except openai.APIError as e:
+            outcome["stream"] = e
+        outcome["stream_t"] = time.time()
+
+    def blocking():
+        try:
+            client.completions.create(
+                model=model, prompt=[7] * 20, max_tokens=480, temperature=0, extra_body={"ignore_eos": True}
+            )
+            outcome["plain"] = "completed"
+        except openai.APIStatusError as e:
+            outcome["plain"] = e
+        outcome["plain_t"] = time.time()
+
+    threads = [threading.Thread(target=streaming), threading.Thread(target=blocking)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + wait_s
+    while server.metric("kvserve:num_requests_running") < 2 and time.time() < deadline:
+        time.sleep(0.02)
+    return threads, outcome

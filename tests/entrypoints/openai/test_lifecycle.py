@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.openai.server_utils import Server, all_gone
+from tests.entrypoints.openai.server_utils import Server, all_gone, start_two_long_requests
 
 MODEL = "llama-gqa-untied"
 
@@ -30,41 +30,7 @@ def test_killing_the_engine_fails_health_and_pending_requests(model_path):
     server = start(model_path)
     try:
         engine_pid = server.engine_core_pid
-        client = server.client(timeout=30)
-        outcome: dict[str, object] = {}
-
-        def streaming():
-            try:
-                for _ in client.completions.create(
-                    model=model_path,
-                    prompt="Tell me",
-                    max_tokens=480,
-                    stream=True,
-                    temperature=0,
-                    extra_body={"ignore_eos": True},
-                ):
-                    pass
-                outcome["stream"] = "completed"
-            except openai.APIError as e:
-                outcome["stream"] = e
-            outcome["stream_t"] = time.time()
-
-        def blocking():
-            try:
-                client.completions.create(
-                    model=model_path, prompt=[7] * 20, max_tokens=480, temperature=0, extra_body={"ignore_eos": True}
-                )
-                outcome["plain"] = "completed"
-            except openai.APIStatusError as e:
-                outcome["plain"] = e
-            outcome["plain_t"] = time.time()
-
-        threads = [threading.Thread(target=streaming), threading.Thread(target=blocking)]
-        for t in threads:
-            t.start()
-        deadline = time.time() + 10
-        while server.metric("kvserve:num_requests_running") < 2 and time.time() < deadline:
-            time.sleep(0.02)
+        threads, outcome = start_two_long_requests(server, model_path)
         os.kill(engine_pid, signal.SIGKILL)  # both requests are mid-generation
         killed = time.time()
         for t in threads:
@@ -75,7 +41,7 @@ def test_killing_the_engine_fails_health_and_pending_requests(model_path):
         health = httpx.get(f"{server.url}/health")
         assert health.status_code == 503 and health.json()["error"]["type"] == "EngineDeadError"
         with pytest.raises(openai.APIStatusError) as e:
-            client.completions.create(model=model_path, prompt="hi", max_tokens=2)
+            server.client(timeout=30).completions.create(model=model_path, prompt="hi", max_tokens=2)
         assert e.value.status_code == 503
     finally:
         assert server.stop() == 0, server.log()

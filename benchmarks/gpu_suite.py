@@ -1,0 +1,399 @@
+"""The GPU checks and measurements of issue 14, for a machine with a CUDA GPU and no network (docs/gpu.md).
+
+    python3 benchmarks/gpu_suite.py correctness   # env, tests, parity   (~5 min on an H100)
+    python3 benchmarks/gpu_suite.py perf          # env, roofline, throughput   (~6 min)
+    python3 benchmarks/gpu_suite.py env tests parity roofline throughput   # any stages, in order
+
+Stages:
+- env:        the GPU, library versions, and the measured device-to-device copy bandwidth (bytes read + written).
+- tests:      the Triton kernel tests and the engine tests on the Triton backend, on CUDA (pytest; CUDA graphs
+              captured for real), with a synthetic tokenizer (KVSERVE_TEST_TOKENIZER=synthetic).
+- parity:     greedy tokens of kvserve vs HF transformers, both on the GPU, on the tiny random models of
+              tests/conftest.py: fp32 must be token-identical (CUDA graphs on and off); bf16 reports the first
+              divergent position per prompt.
+- roofline:   batch-1 decode of a Llama-3-8B-shaped model with random bf16 weights (load_format dummy): time per
+              decode step, against weight bytes / measured copy bandwidth; CUDA graphs on and off.
+- throughput: the nano-vllm workload (256 requests, prompt and output lengths uniform in 100..1024, ignore_eos,
+              temperature 0.6) on a Qwen3-0.6B-shaped random bf16 model: kvserve with CUDA graphs on and off, and
+              HF transformers `generate` (static batches) on the same GPU in the same run.
+
+Every model is built from a config here: nothing is downloaded. Results go to $OUT/gpu_suite-<stages>.json (or
+./gpu_suite-<stages>.json) and a summary table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+STAGES = ("env", "tests", "parity", "roofline", "throughput")
+GROUPS = {"correctness": ("env", "tests", "parity"), "perf": ("env", "roofline", "throughput")}
+KERNEL_TESTS = ["tests/attention/test_triton_attention.py", "tests/models/test_triton_engine.py"]
+GPU_PARTS_TESTS = ["tests/worker/test_gpu_parts.py"]
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_suite {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def free_engine(llm) -> None:
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written (median of `iters`)."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------------------------- stages
+
+
+def stage_env(res: dict, args) -> None:
+    import transformers
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    res["env"] = {
+        "gpu": props.name,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "sm": f"{props.major}.{props.minor}",
+        "multiprocessors": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "copy_bandwidth_GBps": round(copy_bandwidth() / 1e9, 1),
+    }
+    log(f"env: {res['env']}")
+
+
+def stage_tests(res: dict, args) -> None:
+    env = dict(os.environ, KVSERVE_TEST_TOKENIZER="synthetic", PYTHONPATH=os.pathsep.join([ROOT, *sys.path[1:]]))
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS, *GPU_PARTS_TESTS]
+    log("tests: " + " ".join(cmd))
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.tests_timeout)
+    print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n", flush=True)
+    summary = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line or "error" in line]
+    res["tests"] = {
+        "returncode": proc.returncode,
+        "summary": summary[-1] if summary else "(no summary)",
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """HF greedy decoding with its own KV cache, one token at a time, on the model's device."""
+    device = next(model.parameters()).device
+    out = model(torch.tensor([prompt], device=device), use_cache=True)
+    past, tokens = out.past_key_values, []
+    nxt = out.logits[0, -1].argmax()
+    for i in range(num_tokens):
+        tokens.append(int(nxt))
+        if i == num_tokens - 1:
+            break
+        out = model(nxt.view(1, 1), past_key_values=past, use_cache=True)
+        past, nxt = out.past_key_values, out.logits[0, -1].argmax()
+    return tokens
+
+
+def parity_prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, 49000) for _ in range(n)]
+
+    shared = toks(40)
+    return [shared + toks(9), toks(5), shared + toks(23), toks(17), toks(100), shared[:33] + toks(2)]
+
+
+def first_divergence(got: list[int], want: list[int]) -> int | None:
+    for i, (g, w) in enumerate(zip(got, want, strict=False)):
+        if g != w:
+            return i
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def stage_parity(res: dict, args) -> None:
+    import transformers
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.benchmarks.synthetic import synthetic_tokenizer
+    from tests.conftest import TINY_MODELS, build_tiny_model
+
+    tokenizer = synthetic_tokenizer(49152)
+    tmp = tempfile.mkdtemp(prefix="kvserve-parity-")
+    out: dict = {}
+    for name in TINY_MODELS:
+        folder = build_tiny_model(name, os.path.join(tmp, name), tokenizer)
+        prompts = parity_prompts(len(name))
+        row: dict = {}
+        for dtype, num_tokens in (("float32", 32), ("bfloat16", 64)):
+            hf = transformers.AutoModelForCausalLM.from_pretrained(
+                folder, dtype=getattr(torch, dtype), attn_implementation="eager"
+            )
+            hf = hf.to("cuda").eval()
+            refs = [hf_greedy(hf, p, num_tokens) for p in prompts]
+            del hf
+            torch.cuda.empty_cache()
+            params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+            for graphs in (True, False):
+                llm = LLM(
+                    folder,
+                    dtype=dtype,
+                    device="cuda",
+                    max_model_len=512,
+                    max_num_seqs=16,
+                    kv_cache_memory=1 << 30,
+                    enforce_eager=not graphs,
+                )
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                divs = [first_divergence(o.outputs[0].token_ids, r) for o, r in zip(outs, refs, strict=True)]
+                key = f"{dtype}-{'graphs' if graphs else 'eager'}"
+                row[key] = {"identical": all(d is None for d in divs), "first_divergence": divs}
+                free_engine(llm)
+        out[name] = row
+        log(
+            f"parity {name}: "
+            + ", ".join(f"{k} identical={v['identical']} {v['first_divergence']}" for k, v in row.items())
+        )
+    res["parity"] = out
+
+
+def decode_step_time(llm, prompt: list[int], short: int, long: int) -> float:
+    """Seconds per decode step of one request: the difference of two greedy runs of `short` and `long` output
+    tokens (same prompt, so prefill and start-up cancel), best of two."""
+    from kvserve import SamplingParams
+
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    run(16)
+    t_short = min(run(short) for _ in range(2))
+    t_long = min(run(long) for _ in range(2))
+    return (t_long - t_short) / (long - short)
+
+
+def weights_read_per_step(model) -> int:
+    """Bytes of weights a decode step reads: every parameter, except the embedding table when the LM head has its
+    own (a lookup reads one row of it)."""
+    embed = model.model.embed_tokens.weight
+    tied = model.lm_head.weight is embed
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() in seen or (p is embed and not tied):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def stage_roofline(res: dict, args) -> None:
+    from kvserve import LLM
+    from kvserve.benchmarks.synthetic import write_model_folder
+
+    bandwidth = res.get("env", {}).get("copy_bandwidth_GBps", 0) * 1e9 or copy_bandwidth()
+    folder = write_model_folder(tempfile.mkdtemp(prefix="kvserve-llama3-8b-"), "llama3-8b")
+    prompt = [1000 + i for i in range(128)]
+    out: dict = {"model": "llama3-8b shape, random bf16 weights", "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
+    for graphs in (True, False):
+        llm = LLM(
+            folder,
+            load_format="dummy",
+            dtype="bfloat16",
+            device="cuda",
+            max_model_len=2048,
+            max_num_seqs=8,
+            enforce_eager=not graphs,
+        )
+        weight_bytes = weights_read_per_step(llm.engine.engine_core.runner.model)
+        step = decode_step_time(llm, prompt, args.roofline_short, args.roofline_long)
+        floor = weight_bytes / bandwidth
+        key = "graphs" if graphs else "eager"
+        out[key] = {
+            "step_ms": round(step * 1e3, 3),
+            "weight_GB": round(weight_bytes / 1e9, 3),
+            "roofline_ms": round(floor * 1e3, 3),
+            "fraction_of_roofline": round(floor / step, 3),
+            "tokens_per_s": round(1 / step, 1),
+        }
+        log(f"roofline {key}: {out[key]}")
+        free_engine(llm)
+    res["roofline"] = out
+
+
+def stage_throughput(res: dict, args) -> None:
+    import transformers
+
+    from kvserve import LLM
+    from kvserve.benchmarks.datasets import DatasetSpec, build_dataset
+    from kvserve.benchmarks.synthetic import hf_config, write_model_folder
+    from kvserve.benchmarks.throughput import run_hf, run_kvserve
+
+    folder = write_model_folder(tempfile.mkdtemp(prefix="kvserve-qwen3-0.6b-"), "qwen3-0.6b")
+    vocab = hf_config("qwen3-0.6b").vocab_size
+    spec = DatasetSpec("random", num_requests=args.num_requests, seed=0, input_len=(100, 1024), output_len=(100, 1024))
+    requests = build_dataset(spec, vocab)
+    warm = build_dataset(DatasetSpec("random", 16, seed=1, input_len=(100, 300), output_len=(16, 64)), vocab)
+    out: dict = {
+        "model": "qwen3-0.6b shape, random bf16 weights",
+        "workload": f"{len(requests)} requests, input/output uniform 100..1024, ignore_eos, temperature 0.6",
+        "prompt_tokens": sum(r.prompt_len for r in requests),
+        "output_tokens": sum(r.output_len for r in requests),
+    }
+    for graphs in (True, False):
+        llm = LLM(
+            folder,
+            load_format="dummy",
+            dtype="bfloat16",
+            device="cuda",
+            max_model_len=2048,
+            max_num_seqs=256,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enforce_eager=not graphs,
+        )
+        run_kvserve(llm, warm, "warmup", 0.6)
+        r = run_kvserve(llm, requests, f"kvserve ({'graphs' if graphs else 'eager'})", 0.6)
+        out[r.name] = {"seconds": round(r.seconds, 2), "output_tok_s": round(r.output_tokens_per_s, 1)}
+        out[r.name]["num_preemptions"] = llm.stats().get("num_preemptions")
+        log(f"throughput {r.name}: {out[r.name]}")
+        free_engine(llm)
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config("qwen3-0.6b"), dtype=torch.bfloat16)
+    hf.eval()
+    hf_requests = requests[: args.hf_requests]
+    run_hf(hf, warm[:4], 4, 0, 0.6)
+    for bs in args.hf_batch_sizes:
+        r = run_hf(hf, hf_requests, bs, 0, 0.6)
+        out[r.name] = {
+            "seconds": round(r.seconds, 2),
+            "output_tok_s": round(r.output_tokens_per_s, 1),
+            "num_requests": len(hf_requests),
+        }
+        log(f"throughput {r.name}: {out[r.name]}")
+    best_hf = max(v["output_tok_s"] for k, v in out.items() if k.startswith("hf-generate"))
+    out["speedup_graphs_vs_best_hf"] = round(out["kvserve (graphs)"]["output_tok_s"] / best_hf, 2)
+    out["speedup_graphs_vs_eager"] = round(
+        out["kvserve (graphs)"]["output_tok_s"] / out["kvserve (eager)"]["output_tok_s"], 2
+    )
+    res["throughput"] = out
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def summary(res: dict) -> str:
+    lines = ["", "==== gpu_suite summary ===="]
+    if "env" in res:
+        e = res["env"]
+        lines.append(
+            f"{e['gpu']} ({e['memory_gib']} GiB, sm {e['sm']}), torch {e['torch']}, triton {e['triton']}, "
+            f"copy {e['copy_bandwidth_GBps']} GB/s"
+        )
+    if "tests" in res:
+        lines.append(f"tests: rc={res['tests']['returncode']} {res['tests']['summary']}")
+    if "parity" in res:
+        for name, row in res["parity"].items():
+            cells = " ".join(f"{k}={'same' if v['identical'] else v['first_divergence']}" for k, v in row.items())
+            lines.append(f"parity {name}: {cells}")
+    if "roofline" in res:
+        for key in ("graphs", "eager"):
+            r = res["roofline"].get(key)
+            if r:
+                lines.append(
+                    f"roofline llama3-8b {key}: {r['step_ms']} ms/step vs {r['roofline_ms']} ms floor = "
+                    f"{r['fraction_of_roofline']:.1%} ({r['tokens_per_s']} tok/s)"
+                )
+    if "throughput" in res:
+        for k, v in res["throughput"].items():
+            if isinstance(v, dict):
+                lines.append(f"throughput {k}: {v['output_tok_s']} output tok/s in {v['seconds']} s")
+        t = res["throughput"]
+        lines.append(
+            f"speedup kvserve graphs / best HF: {t.get('speedup_graphs_vs_best_hf')}x; graphs / eager: "
+            f"{t.get('speedup_graphs_vs_eager')}x"
+        )
+    for stage, err in res.get("errors", {}).items():
+        lines.append(f"ERROR in {stage}: {err.splitlines()[-1] if err else ''}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stages", nargs="+", help=f"stages ({', '.join(STAGES)}) or groups ({', '.join(GROUPS)})")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--hf-requests", type=int, default=256, help="requests HF generate runs (a prefix of the set)")
+    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64])
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--roofline-short", type=int, default=64)
+    p.add_argument("--roofline-long", type=int, default=576)
+    p.add_argument("--tests-timeout", type=int, default=420)
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_suite.json")
+    args = p.parse_args()
+    stages: list[str] = []
+    for s in args.stages:
+        for stage in GROUPS.get(s, (s,)):
+            if stage not in STAGES:
+                p.error(f"unknown stage {stage!r}")
+            if stage not in stages:
+                stages.append(stage)
+    if not torch.cuda.is_available():
+        print("gpu_suite: torch sees no CUDA GPU", file=sys.stderr)
+        return 2
+    res: dict = {"stages": stages, "errors": {}}
+    path = os.path.join(args.out, f"gpu_suite-{'-'.join(args.stages)}.json")
+    for stage in stages:
+        log(f"stage {stage}")
+        start = time.perf_counter()
+        try:
+            globals()[f"stage_{stage}"](res, args)
+        except Exception:
+            res["errors"][stage] = traceback.format_exc()
+            print(res["errors"][stage], flush=True)
+        log(f"stage {stage} took {time.perf_counter() - start:.0f}s")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+    print(summary(res), flush=True)
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""Triton kernels for paged attention over the standard cache layout [num_blocks, block_size, num_kv_heads,
+head_dim] (the layout of attention/torch_ref.py, so either backend can read a cache the other wrote).
+
+- `write_kv`: each new token's K and V go to its slot (block * block_size + offset); slot -1 means "no write"
+  (padding rows of a CUDA-graph batch, profiling runs).
+- `paged_attention`: one kernel for a whole mixed batch. A program takes up to BLOCK_Q query tokens of one request
+  and one KV head; its BLOCK_M rows are (token, query head of that KV head's group) pairs, so GQA heads share
+  every K/V tile they load. It walks the request's keys through the block table in tiles of TILE_N, with an
+  online softmax, and stops at the last key its rows may see (causality: a token at position p sees keys 0..p).
+  Decodes, decodes carrying draft tokens, and prefill chunks after a cached prefix are all the same case.
+- Split-K (vLLM's paged attention v2): with few programs and long contexts, each program's key range is cut into
+  NUM_SPLITS segments run by separate programs; each writes an unnormalised partial output with its running max
+  and sum, and `_reduce_splits_kernel` combines them. The segments are computed inside the kernel from each
+  request's length, so one launch shape serves any lengths (what a captured CUDA graph needs).
+
+The programs of a step are listed by the host (`prog_req`, `prog_qstart`): which request and which of its query
+tokens each one starts at. Logits are kept in the log2 domain (scale * log2(e)) so the softmax uses exp2.
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 before this module is imported).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    num_tokens,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TOKENS: tl.constexpr,  # tokens per program
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    # One row per token, its heads' dims side by side: column c is head c // DIM_PAD, dim c % DIM_PAD.
+    tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    cols = tl.arange(0, HEADS_PAD * DIM_PAD)
+    heads = cols // DIM_PAD
+    dims = cols % DIM_PAD
+    slots = tl.load(slot_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+    mask = (slots >= 0)[:, None] & ((heads < NUM_KV_HEADS) & (dims < HEAD_DIM))[None, :]
+    k = tl.load(k_ptr + tokens[:, None] * stride_kt + (heads * stride_kh + dims)[None, :], mask=mask)
+    v = tl.load(v_ptr + tokens[:, None] * stride_vt + (heads * stride_vh + dims)[None, :], mask=mask)
+    dst = ((slots // BLOCK_SIZE) * stride_cb + (slots % BLOCK_SIZE) * stride_cs)[:, None] + (heads * stride_ch + dims)[
+        None, :
+    ]
+    tl.store(key_cache_ptr + dst, k, mask=mask)
+    tl.store(value_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [T, H, D]
+    key_cache_ptr,  # [N, B, Hkv, D]
+    value_cache_ptr,
+    out_ptr,  # NUM_SPLITS == 1: [T, H, D] in q's dtype; else the partial sums [T, H, NUM_SPLITS, DIM_PAD] fp32
+    max_ptr,  # [T, H, NUM_SPLITS] fp32 running max per split (log2 domain); unused when NUM_SPLITS == 1
+    sum_ptr,  # [T, H, NUM_SPLITS] fp32 softmax denominator per split
+    block_table_ptr,  # [R, W] int32
+    seq_lens_ptr,  # [R] int32: keys after this step (cached + new)
+    query_start_ptr,  # [R + 1] int32
+    prog_req_ptr,  # [P] int32: the request of each program
+    prog_qstart_ptr,  # [P] int32: the program's first query token, counted within its request
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per program: BLOCK_M // GROUP
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,  # compute the dots in fp32 (the interpreter's tl.dot mishandles bf16 and fp16)
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = tl.load(prog_req_ptr + pid)
+    q_first = tl.load(prog_qstart_ptr + pid)
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len  # keys cached before this step's tokens
+
+    rows = tl.arange(0, BLOCK_M)
+    token = q_first + rows // GROUP  # query token within the request
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    q_pos = context_len + token  # each row's position: it sees keys 0..q_pos
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    token_idx = (q_start + token).to(tl.int64)
+    q = tl.load(
+        q_ptr + token_idx[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys up to the program's last valid row; a split program takes its share of those key tiles.
+    kv_end = context_len + tl.minimum(q_first + BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * TILE_N + offs_n
+        key_valid = pos < kv_end
+        block = tl.load(table_row + pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        kv_offset = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head * stride_ch
+        k = tl.load(
+            key_cache_ptr + kv_offset[None, :] + dims[:, None],
+            mask=key_valid[None, :] & dim_valid[:, None],
+            other=0.0,
+        )  # [DIM_PAD, TILE_N]
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        s = tl.where(key_valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            value_cache_ptr + kv_offset[:, None] + dims[None, :],
+            mask=key_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )  # [TILE_N, DIM_PAD]
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    row_head = head.to(tl.int64)
+    if NUM_SPLITS == 1:
+        # Rows with no key at all (padding) get 0 rather than 0 / 0.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + token_idx[:, None] * stride_ot + row_head[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+    else:
+        num_heads = tl.num_programs(1) * GROUP
+        stat = (token_idx * num_heads + row_head) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(out_ptr + stat[:, None] * DIM_PAD + dims[None, :], acc, mask=row_valid[:, None])
+        tl.store(max_ptr + stat, m_i, mask=row_valid)
+        tl.store(sum_ptr + stat, l_i, mask=row_valid)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,  # [T, H, D]
+    partial_ptr,  # [T, H, NUM_SPLITS, DIM_PAD] fp32
+    max_ptr,  # [T, H, NUM_SPLITS] fp32
+    sum_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, DIM_PAD)
+    stat = (token * NUM_HEADS + head) * NUM_SPLITS + splits
+    m = tl.load(max_ptr + stat)
+    l_split = tl.load(sum_ptr + stat)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
+    denom = tl.sum(weight * l_split, 0)
+    partial = tl.load(partial_ptr + stat[:, None] * DIM_PAD + dims[None, :])
+    out = tl.sum(partial * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM
+    )
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, Hkv, D], rows of any stride, each head contiguous
+    v: torch.Tensor,
+    key_cache: torch.Tensor,  # [N, B, Hkv, D] contiguous
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int32 or int64; -1 = skip
+) -> None:
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    assert k.stride(2) == 1 and v.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
+    # Few tokens per program on a GPU (many programs in flight); many in the interpreter, which pays per program.
+    tokens = 4 if k.device.type == "cuda" else 32
+    _write_kv_kernel[(triton.cdiv(num_tokens, tokens),)](
+        k,
+        v,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        num_tokens,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=key_cache.shape[1],
+        TOKENS=tokens,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D], rows of any stride, each head contiguous
+    key_cache: torch.Tensor,  # [N, B, Hkv, D] contiguous
+    value_cache: torch.Tensor,
+    out: torch.Tensor,  # [T, H, D] contiguous, written here
+    block_table: torch.Tensor,  # [R, W] int32
+    seq_lens: torch.Tensor,  # [R] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    prog_req: torch.Tensor,  # [P] int32
+    prog_qstart: torch.Tensor,  # [P] int32
+    scale: float,
+    block_m: int,
+    tile_n: int,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """Attention of every query token over its request's keys, read through the block table (K/V of this
+    step's tokens must be written first). `block_m` rows per program (BLOCK_Q = block_m // group tokens, the
+    stride of `prog_qstart`); `num_splits` > 1 (a power of 2) splits each program's keys over that many programs
+    and reduces after. Returns `out`."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_programs = prog_req.shape[0]
+    if num_tokens == 0 or num_programs == 0:
+        return out
+    assert q.stride(2) == 1 and out.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert block_m >= group and num_splits & (num_splits - 1) == 0
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    # fp32 models get fp32 dots (Triton's default for fp32 is tf32, ~3e-4 relative error: no HF parity).
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if num_splits == 1:
+        partial = max_buf = sum_buf = out  # unused by the kernel when NUM_SPLITS == 1
+    else:
+        partial = torch.empty(num_tokens, num_heads, num_splits, dim_pad, dtype=torch.float32, device=q.device)
+        max_buf = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        sum_buf = torch.empty_like(max_buf)
+    _paged_attention_kernel[(num_programs, num_kv_heads, num_splits)](
+        q,
+        key_cache,
+        value_cache,
+        out if num_splits == 1 else partial,
+        max_buf,
+        sum_buf,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        prog_req,
+        prog_qstart,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_table.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad,
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_Q=block_m // group,
+        TILE_N=tile_n,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION=precision,
+        UPCAST=q.device.type == "cpu",
+    )
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            out,
+            partial,
+            max_buf,
+            sum_buf,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad,
+            NUM_SPLITS=num_splits,
+        )
+    return out
+
+
+def block_m_for(group: int, max_query_len: int) -> int:
+    """Rows per program: at least 16 (tl.dot's smallest tile) and a whole GQA group; up to 64 when requests bring
+    several query tokens (prefill chunks, draft tokens), so that each K/V tile loaded serves more of them."""
+    rows = min(64, max(16, triton.next_power_of_2(max_query_len * group)))
+    return max(rows, triton.next_power_of_2(group))
+
+
+def num_splits_for(num_programs: int, max_kv_len: int, tile_n: int, target_programs: int) -> int:
+    """Split-K factor (a power of 2, at most 16): 1 when the batch already has `target_programs` programs (about
+    two per multiprocessor) or the contexts are short; otherwise enough splits to fill the GPU while each split
+    keeps at least 4 key tiles."""
+    if num_programs >= target_programs:
+        return 1
+    tiles = math.ceil(max_kv_len / tile_n)
+    splits = 1
+    while splits < 16 and num_programs * splits < target_programs and tiles >= 8 * splits:
+        splits *= 2
+    return splits

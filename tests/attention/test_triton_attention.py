@@ -1,0 +1,305 @@
+"""The Triton paged-attention kernels (attention/triton_kernels.py, triton_backend.py) against plain
+per-sequence causal attention and the torch reference backend.
+
+On a machine with CUDA they run on the GPU; elsewhere on the CPU in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 before anything imports Triton), with small shapes: the interpreter runs every program
+instance in Python.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.attention.base import AttentionInputs
+from kvserve.attention.torch_ref import TorchRefAttentionBackend
+
+pytest.importorskip("triton")
+
+from kvserve.attention import triton_kernels  # noqa: E402
+from kvserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# In the interpreter the kernels do not depend on the CPU's ISA level: once, in the native run, is enough.
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and bool(os.environ.get("KVSERVE_CPU_ISA")), reason="forced ISA level: Triton tests run once"
+)
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def reference_attention(q, k, v, scale):
+    """q [Q, H, D]: the last Q positions of a sequence whose keys/values are k, v [S, Hkv, D]; fp32 result."""
+    num_q, num_heads, _ = q.shape
+    s, num_kv, _ = k.shape
+    group = num_heads // num_kv
+    k = k.repeat_interleave(group, dim=1).float()
+    v = v.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,shd->hqs", q.float(), k) * scale
+    q_pos = torch.arange(s - num_q, s, device=q.device)[:, None]
+    scores = scores.masked_fill(torch.arange(s, device=q.device)[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
+
+
+@dataclass
+class Batch:
+    inputs: AttentionInputs
+    key_cache: torch.Tensor  # [N, B, Hkv, D], the cached contexts in place
+    value_cache: torch.Tensor
+    q: torch.Tensor  # [T, H, D]
+    k_new: torch.Tensor  # [T, Hkv, D]
+    v_new: torch.Tensor
+    full_k: list[torch.Tensor]  # per request [S, Hkv, D]: context then new tokens
+    full_v: list[torch.Tensor]
+    slots: np.ndarray  # [T]
+
+
+def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, spare_blocks=3) -> Batch:
+    """`seqs`: (cached context, new query tokens) per request, single-token ones first. Blocks are handed out in
+    shuffled order, as a real pool does after churn; the cache starts as random junk, not zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    num_blocks = sum(math.ceil((c + n) / block_size) for c, n in seqs) + spare_blocks
+    key_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)
+    value_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)
+    free = list(rng.permutation(num_blocks))
+    max_blocks = max(math.ceil((c + n) / block_size) for c, n in seqs)
+    block_table = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+    full_k, full_v, slots = [], [], []
+    for i, (ctx, n) in enumerate(seqs):
+        nb = math.ceil((ctx + n) / block_size)
+        block_table[i, :nb] = [free.pop() for _ in range(nb)]
+        full_k.append(randn(ctx + n, num_kv_heads, head_dim))
+        full_v.append(randn(ctx + n, num_kv_heads, head_dim))
+        for pos in range(ctx + n):
+            b, off = block_table[i, pos // block_size], pos % block_size
+            if pos < ctx:
+                key_cache[b, off] = full_k[i][pos]
+                value_cache[b, off] = full_v[i][pos]
+            else:
+                slots.append(int(b) * block_size + off)
+    q_lens = np.array([n for _, n in seqs])
+    inputs = AttentionInputs(
+        num_decodes=int(np.count_nonzero(q_lens == 1)),
+        query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]),
+        seq_lens=np.array([c + n for c, n in seqs]),
+        block_table=block_table,
+        slot_mapping=np.array(slots, dtype=np.int64),
+        block_size=block_size,
+    )
+    dev = torch.device(DEVICE)
+    return Batch(
+        inputs=inputs,
+        key_cache=key_cache.to(dev),
+        value_cache=value_cache.to(dev),
+        q=randn(int(q_lens.sum()), num_heads, head_dim).to(dev),
+        k_new=torch.cat([full_k[i][c:] for i, (c, _) in enumerate(seqs)]).to(dev),
+        v_new=torch.cat([full_v[i][c:] for i, (c, _) in enumerate(seqs)]).to(dev),
+        full_k=[k.to(dev) for k in full_k],
+        full_v=[v.to(dev) for v in full_v],
+        slots=np.array(slots),
+    )
+
+
+def check_against_reference(batch: Batch, out: torch.Tensor, num_heads: int, head_dim: int, dtype) -> None:
+    qsl = batch.inputs.query_start_loc
+    for i in range(len(batch.full_k)):
+        s, e = int(qsl[i]), int(qsl[i + 1])
+        want = reference_attention(batch.q[s:e], batch.full_k[i], batch.full_v[i], head_dim**-0.5)
+        got = out[s:e].view(e - s, num_heads, head_dim).float()
+        torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype], msg=f"request {i}")
+
+
+def run_backend(backend: TritonAttentionBackend, batch: Batch) -> torch.Tensor:
+    md = backend.build_metadata(batch.inputs)
+    kv = (batch.key_cache, batch.value_cache)
+    return backend.forward(batch.q, batch.k_new, batch.v_new, kv, md, backend.head_dim**-0.5)
+
+
+# (cached context, new tokens): decodes (one spanning many blocks), decodes carrying 2 and 4 draft tokens, a
+# prompt with no cached context, and prefill chunks after a cached prefix.
+MIXED = [(37, 1), (0, 1), (150, 1), (23, 3), (70, 5), (0, 21), (50, 37), (9, 2)]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(4, 4, 64), (8, 2, 128), (8, 1, 64)],
+    ids=["mha-d64", "gqa4-d128", "gqa8-d64"],
+)
+def test_mixed_batch_matches_reference(num_heads, num_kv_heads, head_dim, block_size):
+    dtype = torch.float32
+    batch = make_batch(MIXED, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, DEVICE)
+    out = run_backend(backend, batch)
+    assert out.shape == (len(batch.slots), num_heads * head_dim)
+    check_against_reference(batch, out, num_heads, head_dim, dtype)
+    # The new tokens' K/V were written where the slot mapping says.
+    slots = torch.from_numpy(batch.slots).to(batch.key_cache.device)
+    assert torch.equal(batch.key_cache.view(-1, num_kv_heads, head_dim)[slots], batch.k_new)
+    assert torch.equal(batch.value_cache.view(-1, num_kv_heads, head_dim)[slots], batch.v_new)
+
+
+@pytest.mark.parametrize("tile_n", [16, 64])
+def test_bf16_and_tiles_smaller_and_larger_than_a_block(tile_n):
+    """bf16 inputs (fp32 accumulation) and key tiles that cover part of a block or several blocks."""
+    dtype = torch.bfloat16
+    batch = make_batch(MIXED, 8, 2, 64, 32, dtype, seed=1)
+    backend = TritonAttentionBackend(8, 2, 64, dtype, DEVICE, tile_n=tile_n)
+    check_against_reference(batch, run_backend(backend, batch), 8, 64, dtype)
+
+
+def test_agrees_with_the_torch_reference_backend():
+    """Same batch, same cache layout: the Triton backend and attention/torch_ref.py give the same outputs and
+    leave the same cache."""
+    dtype = torch.float32
+    seqs = [(5, 1), (40, 1), (0, 12), (17, 9)]
+    a = make_batch(seqs, 8, 2, 64, 16, dtype, seed=2)
+    b = make_batch(seqs, 8, 2, 64, 16, dtype, seed=2)
+    got = run_backend(TritonAttentionBackend(8, 2, 64, dtype, DEVICE), a)
+    ref = TorchRefAttentionBackend(8, 2, 64, dtype)
+    cpu = (b.key_cache.cpu(), b.value_cache.cpu())
+    want = ref.forward(b.q.cpu(), b.k_new.cpu(), b.v_new.cpu(), cpu, ref.build_metadata(b.inputs), 64**-0.5)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(a.key_cache.cpu(), cpu[0]) and torch.equal(a.value_cache.cpu(), cpu[1])
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_random_batches(seed):
+    rng = np.random.default_rng(seed)
+    group = [1, 4, 8][seed % 3]
+    num_kv_heads = int(rng.integers(1, 3))
+    head_dim = [64, 128][seed % 2]
+    block_size = [16, 32][seed % 2]
+    num_decodes, num_prefills = int(rng.integers(1, 5)), int(rng.integers(0, 3))
+    seqs = [(int(rng.integers(0, 200)), 1) for _ in range(num_decodes)]
+    seqs += [(int(rng.integers(0, 80)), int(rng.integers(2, 40))) for _ in range(num_prefills)]
+    num_heads = group * num_kv_heads
+    batch = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, torch.float32, seed=seed)
+    backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, torch.float32, DEVICE)
+    check_against_reference(batch, run_backend(backend, batch), num_heads, head_dim, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [2, 4, 16])
+def test_split_k_decode_long_contexts(num_splits):
+    """Split-K (partial softmax per key segment, then the reduction) on decodes whose contexts span many blocks,
+    next to a short one whose later segments are empty; also multi-token decode rows."""
+    dtype = torch.float32
+    seqs = [(300, 1), (3, 1), (211, 1), (180, 3)]
+    batch = make_batch(seqs, 8, 2, 64, 16, dtype, seed=6)
+    backend = TritonAttentionBackend(8, 2, 64, dtype, DEVICE, tile_n=16)
+    md = backend.build_metadata(batch.inputs)
+    md.num_splits = num_splits
+    out = backend.forward(batch.q, batch.k_new, batch.v_new, (batch.key_cache, batch.value_cache), md, 64**-0.5)
+    check_against_reference(batch, out, 8, 64, dtype)
+
+
+def test_split_k_is_chosen_for_few_long_decodes_only():
+    backend = TritonAttentionBackend(8, 2, 64, torch.float32, DEVICE, tile_n=16, target_programs=64)
+    decodes = make_batch([(300, 1), (200, 1)], 8, 2, 64, 16, torch.float32)
+    assert backend.build_metadata(decodes.inputs).num_splits > 1
+    with_prefill = make_batch([(300, 1), (0, 40)], 8, 2, 64, 16, torch.float32)
+    assert backend.build_metadata(with_prefill.inputs).num_splits == 1
+    assert triton_kernels.num_splits_for(4, 300, 16, 64) == 4  # 19 tiles: at least 4 per split
+    assert triton_kernels.num_splits_for(4, 2000, 16, 64) == 16
+    assert triton_kernels.num_splits_for(8, 2000, 16, 64) == 8  # 8 x 8 programs fill the target
+    assert triton_kernels.num_splits_for(64, 10_000, 16, 64) == 1  # enough programs already
+    assert triton_kernels.num_splits_for(4, 40, 16, 64) == 1  # too short to split
+
+
+def test_write_kv_skips_slot_minus_one_and_writes_strided_rows():
+    """Slot -1 (padding) writes nothing; k and v may be views into a fused qkv row (row stride > heads x dim)."""
+    torch.manual_seed(0)
+    num_kv_heads, head_dim, block_size = 2, 64, 16
+    dev = torch.device(DEVICE)
+    key_cache = torch.randn(4, block_size, num_kv_heads, head_dim, device=dev)
+    value_cache = torch.randn(4, block_size, num_kv_heads, head_dim, device=dev)
+    before_k, before_v = key_cache.clone(), value_cache.clone()
+    qkv = torch.randn(6, 3 * num_kv_heads * head_dim, device=dev)
+    k = qkv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(6, num_kv_heads, head_dim)
+    v = qkv[:, 2 * num_kv_heads * head_dim :].view(6, num_kv_heads, head_dim)
+    slots = torch.tensor([5, -1, 63, 16, -1, 40], dtype=torch.int32, device=dev)
+    triton_kernels.write_kv(k, v, key_cache, value_cache, slots)
+    written = slots >= 0
+    flat_k, flat_v = key_cache.view(-1, num_kv_heads, head_dim), value_cache.view(-1, num_kv_heads, head_dim)
+    assert torch.equal(flat_k[slots[written].long()], k[written])
+    assert torch.equal(flat_v[slots[written].long()], v[written])
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=dev)
+    untouched[slots[written].long()] = False
+    assert torch.equal(flat_k[untouched], before_k.view(-1, num_kv_heads, head_dim)[untouched])
+    assert torch.equal(flat_v[untouched], before_v.view(-1, num_kv_heads, head_dim)[untouched])
+
+
+def test_stale_nan_in_reused_blocks_never_leaks():
+    """A block's previous owner left NaN and huge values past the new owner's end: reads are masked to each
+    request's own keys, so they cannot reach its output."""
+    dtype = torch.float32
+    batch = make_batch([(20, 1), (5, 1), (9, 4)], 4, 2, 64, 16, dtype, seed=7, spare_blocks=0)
+    # Poison every slot that no request owns.
+    owned = set(batch.slots.tolist())
+    table = batch.inputs.block_table
+    for i, s in enumerate(batch.inputs.seq_lens):
+        for pos in range(int(s)):
+            owned.add(int(table[i, pos // 16]) * 16 + pos % 16)
+    flat_k = batch.key_cache.view(-1, 2, 64)
+    flat_v = batch.value_cache.view(-1, 2, 64)
+    for slot in range(flat_k.shape[0]):
+        if slot not in owned:
+            flat_k[slot] = float("nan")
+            flat_v[slot] = 1e30 if slot % 2 else float("inf")
+    backend = TritonAttentionBackend(4, 2, 64, dtype, DEVICE)
+    out = run_backend(backend, batch)
+    assert torch.isfinite(out).all()
+    check_against_reference(batch, out, 4, 64, dtype)
+
+
+def test_decode_graph_buffers_pad_the_batch():
+    """The persistent buffers a captured decode graph reads: a step of 3 decodes padded to 8 rows gives the same
+    outputs for the real rows, zeros for the padding, and no cache write for it (slot -1)."""
+    dtype = torch.float32
+    seqs = [(33, 1), (0, 1), (70, 1)]
+    batch = make_batch(seqs, 8, 2, 64, 16, dtype, seed=8)
+    backend = TritonAttentionBackend(8, 2, 64, dtype, DEVICE, target_programs=64)
+    buffers = backend.alloc_decode_buffers(max_reqs=16, width=8)
+    md = backend.decode_graph_metadata(buffers, num_reqs=8, max_model_len=1024)
+    assert md.num_splits > 1  # 8 x 2 programs < 64: the graph splits for the longest allowed context
+    backend.fill_decode_buffers(buffers, batch.inputs, num_padded=8)
+    q = torch.cat([batch.q, torch.randn(5, 8, 64, device=batch.q.device)])
+    k_new = torch.cat([batch.k_new, torch.randn(5, 2, 64, device=batch.q.device)])
+    v_new = torch.cat([batch.v_new, torch.randn(5, 2, 64, device=batch.q.device)])
+    before_k = batch.key_cache.clone()
+    out = backend.forward(q, k_new, v_new, (batch.key_cache, batch.value_cache), md, 64**-0.5)
+    check_against_reference(batch, out[:3], 8, 64, dtype)
+    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+    changed = (batch.key_cache != before_k).flatten(1).any(1).nonzero().flatten().tolist()
+    assert sorted(changed) == sorted({int(s) // 16 for s in batch.slots})
+    # A later, smaller step in the same buffers: stale rows past it are padding again.
+    small = make_batch([(12, 1)], 8, 2, 64, 16, dtype, seed=9)
+    backend.fill_decode_buffers(buffers, small.inputs, num_padded=8)
+    out = backend.forward(
+        torch.cat([small.q, q[1:]]),
+        torch.cat([small.k_new, k_new[1:]]),
+        torch.cat([small.v_new, v_new[1:]]),
+        (small.key_cache, small.value_cache),
+        md,
+        64**-0.5,
+    )
+    check_against_reference(small, out[:1], 8, 64, dtype)
+    assert torch.equal(out[1:], torch.zeros_like(out[1:]))
+
+
+def test_block_m_covers_the_gqa_group():
+    assert triton_kernels.block_m_for(1, 1) == 16
+    assert triton_kernels.block_m_for(8, 1) == 16
+    assert triton_kernels.block_m_for(32, 1) == 32
+    assert triton_kernels.block_m_for(4, 100) == 64
+    assert triton_kernels.block_m_for(4, 5) == 32  # a decode with 4 draft tokens
+    assert triton_kernels.block_m_for(7, 1) == 16  # 2 tokens of 7 heads, 2 rows unused

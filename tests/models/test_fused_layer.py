@@ -1,0 +1,36 @@
+"""The fused C++ decoder layer (kernels/csrc/decoder_layer.cpp) gives bitwise the module path's results: the same
+sampled tokens and the same logprobs, to the last bit, over decodes, batches, small prefill chunks and steps with
+SDPA prompt spans (where it steps aside)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.kernels.cpu import load_cpu_kernels
+from kvserve.models.llama import LlamaDecoderLayer
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="the C++ CPU kernels did not build here")
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [
+        (o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
+        for o in outs
+    ]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias-tied"])
+def test_fused_layer_is_bitwise_the_module_path(tiny_model_factory, name, monkeypatch):
+    # 8-token chunks make small prefill chunks with cached context; the 300-token prompt's first chunk is too big
+    # for the kernel (an SDPA span), so that step takes the module path for every row.
+    llm = LLM(tiny_model_factory(name), dtype="float32", max_model_len=512, max_num_batched_tokens=300)
+    layers = llm.engine.engine_core.runner.model.model.layers
+    assert all(layer._fused is not None for layer in layers), "the fused layer should run this fp32 model"
+    prompts = [[5 + i for i in range(40)], [9] * 7, [(i * 37) % 500 + 3 for i in range(300)], [11, 12, 13]]
+    fused = _run(llm, prompts)
+    monkeypatch.setattr(LlamaDecoderLayer, "use_fused", False)
+    llm.reset_prefix_cache()
+    assert _run(llm, prompts) == fused
