@@ -24,13 +24,10 @@ def quantize_linears(model: nn.Module, method: str) -> int:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(QUANTIZATION_METHODS)}")
     if not int8_linear_available():
         raise RuntimeError("quantization int8 needs torch's fbgemm quantized engine, which this torch build lacks")
-    # Quality experiments only (kvserve bench perplexity): KVSERVE_INT8_ROTATE=0 quantizes without the block
-    # rotation; KVSERVE_INT8_KEEP_FLOAT=lm_head,down_proj leaves linears whose names end so in float.
+    # KVSERVE_INT8_ROTATE=0 quantizes without the block rotation: only to reproduce the quality comparison in
+    # docs/benchmarks.md (perplexity +4.2% without, +0.46% with).
     rotate = os.environ.get("KVSERVE_INT8_ROTATE", "1") != "0"
-    keep = tuple(s for s in os.environ.get("KVSERVE_INT8_KEEP_FLOAT", "").split(",") if s)
-    targets = [
-        (name, m) for name, m in model.named_modules() if isinstance(m, Linear) and not (keep and name.endswith(keep))
-    ]
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
