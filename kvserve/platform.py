@@ -4,7 +4,8 @@ Pure Python (no torch import), so anything may use it, and it can set torch's ow
 
 Kernel ISA levels, lowest to highest (x86-64): "generic" (plain loops, the portable fallback and the only level on
 other architectures), "avx2" (AVX2 + FMA + F16C), "avx512" (F/BW/VL/DQ), "avx512_bf16" (adds AVX512-BF16, which
-the pair-packed bf16 attention kernel needs). The C++ kernels are built once per level.
+the pair-packed bf16 attention kernel needs, and AVX512-VNNI, which the int8 linear uses). The C++ kernels are built
+once per level.
 
 `KVSERVE_CPU_ISA=<level>` forces a lower level than the CPU's (e.g. the AVX2 or generic path on an AVX-512
 machine), for tests and for measuring what a smaller CPU would run. A forced level also hides the features above
@@ -48,7 +49,10 @@ _LEVEL_NEEDS = {
     "generic": frozenset(),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
-    "avx512_bf16": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+    # VNNI too (the int8 linear's vpdpbusd): every CPU with AVX512-BF16 has it.
+    "avx512_bf16": frozenset(
+        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}
+    ),
 }
 # Features kept when a level is forced (VNNI rides with AVX-512, as on every CPU that has both).
 _LEVEL_KEEPS = {
@@ -63,7 +67,17 @@ _LEVEL_CFLAGS = {
     "generic": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
-    "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
+    "avx512_bf16": [
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512vnni",
+        "-mavx512bf16",
+    ],
 }
 # torch's own caps for a forced level: oneDNN, ATen's vectorised ops, MKL (fp32 BLAS) and fbgemm (the int8
 # linears; it ignores the others' caps, and AVX2 is its lowest level).

@@ -122,8 +122,9 @@ class EngineArgs:
     model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None
     dtype: str = "auto"
-    # "auto" | "int8" | "none"/None. Off by default until int8 meets its quality target (docs/benchmarks.md:
-    # +4% perplexity over the GGUF's own weights), so a quantized GGUF still runs at the full precision of `dtype`.
+    # "auto" | "int8" | "none"/None. Off by default: a quantized GGUF then runs its own weights, decoded exactly, at
+    # the full precision of `dtype`, and its greedy outputs match HF transformers' token for token; int8 (+0.5%
+    # perplexity, docs/benchmarks.md) is opted into with "auto" or "int8".
     quantization: str | None = "none"
     seed: int = 0
     max_model_len: int | None = None

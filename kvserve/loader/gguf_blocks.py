@@ -8,7 +8,7 @@ group factors as fp32, computed the way the `gguf` package computes them, so tha
 
 is bitwise what `gguf.quants.dequantize` returns. Codes fit int8 in every supported format (Q8_0: -127..127,
 Q4_0: -8..7, Q4_1/Q4_K: 0..15, Q6_K: -32..31). This is the exact int8 form of a GGUF tensor; the engine's int8
-linear then takes one scale per output channel (what fbgemm's kernels support), so loading re-quantizes these
+linear then takes one scale per output channel (what its kernel takes), so loading re-quantizes these
 values per channel, within half a channel step (tests/loader/test_gguf_blocks.py).
 """
 

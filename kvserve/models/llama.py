@@ -31,13 +31,24 @@ from kvserve.layers.parallel_linear import (
     RowParallelLinear,
     default_weight_loader,
 )
+from kvserve.layers.quant.int8_linear import Int8Linear
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
 
 logger = logging.getLogger(__name__)
 
-# The linears whose `_panels` the C++ layer reads (not subclasses that compute differently, e.g. int8 ones).
+# The linears whose `_panels` the C++ layer reads (not subclasses that compute differently).
 _PANEL_LINEAR_TYPES = (QKVParallelLinear, RowParallelLinear, MergedColumnParallelLinear)
+
+
+def _fused_linear_spec(m: nn.Module) -> list[torch.Tensor] | None:
+    """A linear as the fused C++ layer takes it ([float panels], or an int8 layer's panels, scales, column sums and
+    rotation signs), or None where the fused layer cannot run it (no panels; sharded over several ranks)."""
+    if isinstance(m, Int8Linear):
+        return m.fused_spec() if m.impl == "cpu" else None
+    if type(m) not in _PANEL_LINEAR_TYPES or m._panels is None or m.tp.world_size != 1:
+        return None
+    return [m._panels]
 
 
 class LlamaAttention(nn.Module):
@@ -108,18 +119,17 @@ class LlamaDecoderLayer(nn.Module):
 
     def prepare_fused(self) -> None:
         """After packing: use kernels/csrc/decoder_layer.cpp for this layer if every op of it runs on the C++
-        kernels with panel weights (fp32, or bf16 without native bf16), on one rank, without Qwen3's q/k norms. The
-        C++ layer calls the same kernels in the same order, so results are bitwise the module path's."""
+        kernels with panel weights (fp32, bf16 without native bf16, or int8), on one rank, without Qwen3's q/k
+        norms. The C++ layer calls the same kernels in the same order, so results are bitwise the module path's."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         ops = (self.input_layernorm, self.post_attention_layernorm, attn.rotary, mlp.act_fn)
         layer = attn.backend.fused_layer()
+        specs = [_fused_linear_spec(m) for m in linears]
         if (
             layer is None
-            # The types first: other linears (int8) have no `tp`.
-            or any(type(m) not in _PANEL_LINEAR_TYPES or m._panels is None for m in linears)
+            or any(spec is None for spec in specs)
             or attn.qk_norm
-            or attn.o_proj.tp.world_size != 1
             or any(m.bias is not None for m in linears[1:])
             or any(op.impl != "cpu" for op in ops)
             or self.input_layernorm.eps != self.post_attention_layernorm.eps
@@ -128,8 +138,8 @@ class LlamaDecoderLayer(nn.Module):
             return
         self._fused = (
             layer,
-            [self.input_layernorm.weight, linears[0]._panels, linears[1]._panels]
-            + [self.post_attention_layernorm.weight, linears[2]._panels, linears[3]._panels],
+            [self.input_layernorm.weight, self.post_attention_layernorm.weight],
+            specs,
             attn.qkv_proj.bias,
             [m.out_features for m in linears] + [attn.num_heads, attn.num_kv_heads, attn.head_dim],
             self.input_layernorm.eps,
@@ -147,13 +157,14 @@ class LlamaDecoderLayer(nn.Module):
         if self._fused is not None and self.use_fused:
             fused_args = self.self_attn.backend.fused_layer_args(attn_metadata)
         if fused_args is not None:
-            layer, weights, qkv_bias, sizes, eps = self._fused
+            layer, norms, linears, qkv_bias, sizes, eps = self._fused
             rotary = self.self_attn.rotary
             slot_mapping, block_table, seq_lens, packed = fused_args
             return layer(
                 x,
                 residual,
-                weights,
+                norms,
+                linears,
                 qkv_bias,
                 sizes,
                 eps,

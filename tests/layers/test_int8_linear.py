@@ -8,9 +8,10 @@ import torch
 from kvserve.layers.linear import Linear
 from kvserve.layers.quant.apply import model_weight_bytes, quantize_linears
 from kvserve.layers.quant.int8_linear import (
+    ACTIVATION_LEVELS,
     Int8Linear,
-    activation_quant,
     quantize_per_channel,
+    quantize_rows,
     rotation_matrix,
     rotation_signs,
 )
@@ -60,8 +61,8 @@ IMPLS = [pytest.param(True, id="kernel"), pytest.param(False, id="native")]
 def test_int8_linear_within_quantization_bound(k, n, rows, use_kernel):
     """In the basis the layer quantizes in (x' = x R, W' = W R per 64-feature block when rotated; R orthogonal, so
     x' W'^T = x W^T): |y - x W^T - b| <= sum_i |x'_i| e_w + e_x |W'_ji| + e_x e_w, with e_w = s_j / 2 (weight half
-    step of output channel j) and e_x = r * step / 2 (activation half step: the row's max |x'| r times the
-    normalised step, 1/127.5 with VNNI, 1/63 without), plus fp32 rounding."""
+    step of output channel j) and e_x = r / 127 / 2 (activation half step: the row's max |x'| r over 127 levels
+    each side), plus fp32 rounding."""
     w, b = _weights(k, n, k + n)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * torch.linspace(0.1, 10, rows)[:, None]
     layer = Int8Linear.from_float(w, b, use_kernel=use_kernel)
@@ -72,7 +73,7 @@ def test_int8_linear_within_quantization_bound(k, n, rows, use_kernel):
     xr, wr = x.double() @ rot, w.double() @ rot
     _, scale = quantize_per_channel(wr)
     e_w = scale.double()[None, :] / 2  # [1, n]
-    e_x = xr.abs().amax(1, keepdim=True) * activation_quant()[0] / 2  # [rows, 1]
+    e_x = xr.abs().amax(1, keepdim=True) / ACTIVATION_LEVELS / 2  # [rows, 1]
     bound = xr.abs().sum(1, keepdim=True) * e_w + e_x * wr.abs().sum(1)[None, :] + k * e_x * e_w
     err = (y.double() - ref).abs()
     assert (err <= bound * 1.001 + 1e-4 * ref.abs() + 1e-5).all(), float((err / bound).max())
@@ -96,26 +97,88 @@ def test_rotation_cuts_the_error_of_outlier_features(use_kernel):
     assert errors[True] < errors[False] / 3, errors
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_rows_match_the_torch_rotation(dtype):
-    layer = Int8Linear.from_float(torch.randn(8, 192))
-    if layer.kernels is None:
+def _kernels():
+    kernels = Int8Linear.from_float(torch.randn(8, 64)).kernels
+    if kernels is None:
         pytest.skip("no C++ kernels")
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_quantization_matches_the_torch_reference(dtype):
+    kernels = _kernels()
     x = (torch.randn(11, 192) * torch.linspace(0.01, 100, 11)[:, None]).to(dtype)
     x[3] = 0.0
-    for signs, k in ((layer._signs, 192), (None, 40)):
+    x[5, 7] = float("inf")
+    for signs, k in ((rotation_signs(), 192), (None, 40)):
         xi = x[:, :k]
-        normalized, row_max = layer.kernels.rotate_normalize(xi, signs)
+        q, scale = kernels.int8_quantize_rows(xi, signs)
+        want_q, want_scale = quantize_rows(xi, rotate=signs is not None)
         xf = xi.double() @ _hadamard_rotation(k) if signs is not None else xi.double()
-        want_max = xf.abs().amax(1, keepdim=True)
-        assert torch.allclose(row_max.double(), want_max, rtol=1e-5)
-        assert torch.allclose(normalized.double(), xf / want_max.clamp_min(1e-30), atol=1e-5)
-        assert row_max[3] == 0 and not normalized[3].any()
+        assert torch.allclose(want_scale.double()[[0, 1, 2, 4]], xf.abs().amax(1)[[0, 1, 2, 4]] / 127, rtol=1e-6)
+        # the FWHT and torch's matmul round differently: a code may sit one step off at a rounding boundary
+        assert (q.int() - want_q.int()).abs().max() <= 1 and (q != want_q).float().mean() < 0.01
+        finite = torch.isfinite(want_scale)
+        assert torch.allclose(scale[finite], want_scale[finite], rtol=1e-6)
+        assert scale[3] == 0 and not q[3].any()  # an all-zero row
+        assert scale[5].isnan() and want_scale[5].isnan()  # inf must not pass as a number
+        assert q.abs().max() <= 127
     # strided rows (a view into a wider tensor) are read in place
     wide = torch.randn(5, 256).to(dtype)
-    n1, m1 = layer.kernels.rotate_normalize(wide[:, :192], layer._signs)
-    n2, m2 = layer.kernels.rotate_normalize(wide[:, :192].contiguous(), layer._signs)
-    assert torch.equal(n1, n2) and torch.equal(m1, m2)
+    q1, s1 = kernels.int8_quantize_rows(wide[:, :192], rotation_signs())
+    q2, s2 = kernels.int8_quantize_rows(wide[:, :192].contiguous(), rotation_signs())
+    assert torch.equal(q1, q2) and torch.equal(s1, s2)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,n", [(7, 3), (40, 24), (64, 96), (576, 200), (1540, 33)])
+def test_kernel_is_exact_integer_arithmetic(k, n, out_dtype):
+    """The GEMV (1 row) and the tiled GEMM (full tiles and tails) against the int64 reference of the same codes:
+    sum_k q codes, times the row and channel scales, plus bias. K not a multiple of 4 and N not of a panel pad."""
+    kernels = _kernels()
+    g = torch.Generator().manual_seed(k * n)
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    codes[0] = -127  # the extremes: pairs of 127 x 127 products must not saturate
+    scale = torch.rand(n, generator=g) * 0.01
+    bias = torch.randn(n, generator=g)
+    for rows in (1, 5, 13, 40):
+        x = torch.randn(rows, k, generator=g)
+        x[0, 0] = -50.0  # this row's code -127 meets the channel of -127s
+        for b in (None, bias):
+            layer = Int8Linear(codes, scale, b, out_dtype=out_dtype)
+            q, row_scale = kernels.int8_quantize_rows(x, None)
+            ref = (q.long() @ codes.long().t()).double() * (row_scale.double()[:, None] * scale.double()[None, :])
+            if b is not None:
+                ref += b.double()
+            y = layer(x)
+            assert y.dtype == out_dtype
+            tol = 1e-6 if out_dtype == torch.float32 else 4e-3
+            assert torch.allclose(y.double(), ref, rtol=tol, atol=tol * ref.abs().max()), (rows, b is None)
+
+
+def test_native_and_kernel_agree_bitwise_without_rotation():
+    """Without the rotation (and a bias) both paths quantize with the same fp32 operations and sum exactly, so they
+    agree to the bit: forward_native is the kernel's reference."""
+    _kernels()
+    w, b = _weights(200, 77, 9)
+    x = torch.randn(6, 200) * 3
+    kernel = Int8Linear.from_float(w, rotate=False)
+    native = Int8Linear.from_float(w, rotate=False, use_kernel=False)
+    assert kernel.impl == "cpu" and native.impl == "native"
+    assert torch.equal(kernel(x), native(x))
+    # with a bias the kernel adds it in a fused multiply-add (one rounding), torch in two
+    kernel, native = Int8Linear.from_float(w, b, rotate=False), Int8Linear.from_float(w, b, False, use_kernel=False)
+    assert torch.allclose(kernel(x), native(x), rtol=1e-6, atol=1e-6)
+
+
+def test_packed_codes_round_trip_and_minus_128_is_refused():
+    codes = torch.randint(-127, 128, (70, 45), dtype=torch.int8)
+    layer = Int8Linear(codes, torch.rand(70))
+    got, _, _ = layer.unpack()
+    assert torch.equal(got, codes)
+    codes[3, 4] = -128
+    with pytest.raises(ValueError, match="-127, 127"):
+        Int8Linear(codes, torch.rand(70))
 
 
 @pytest.mark.parametrize("use_kernel", IMPLS)
@@ -169,14 +232,17 @@ def test_quantize_linears_replaces_every_linear_and_a_tied_head_gets_its_own_cop
     assert torch.equal(model.embed.weight, before)  # the embedding stays a float gather
     x = torch.randn(3, 64)
     assert torch.allclose(model.lm_head(x), x @ before.t(), atol=0.05 * (x @ before.t()).abs().max())
-    # the float embedding, then per output channel: int8 codes, fp32 scale, int32 column sum (+ fp32 bias)
-    assert model_weight_bytes(model) == 100 * 64 * 4 + 32 * (64 + 8 + 4) + 100 * (64 + 8)
+    # the float embedding, then per output channel (padded to whole panels of at most 32 channels): int8 codes,
+    # fp32 scale, int32 column sum (+ fp32 bias)
+    assert model_weight_bytes(model) == 100 * 64 * 4 + model.proj.weight_bytes() + model.lm_head.weight_bytes()
+    assert 32 * (64 + 8 + 4) <= model.proj.weight_bytes() <= 32 * (64 + 8 + 4) + 31 * (64 + 8)
+    assert 100 * (64 + 8) <= model.lm_head.weight_bytes() <= 100 * (64 + 8) + 31 * (64 + 8)
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize_linears(model, "int3")
 
 
-def test_chunked_big_inputs_equal_row_by_row():
-    w = torch.randn(1 << 14, 64) * 0.05  # 16384 outputs: chunks of 64 rows
+def test_big_inputs_equal_row_by_row():
+    w = torch.randn(1 << 14, 64) * 0.05  # 16384 outputs: row blocks and tiles
     layer = Int8Linear.from_float(w)
     x = torch.randn(150, 64)
     y = layer(x)

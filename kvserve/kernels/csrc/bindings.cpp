@@ -18,9 +18,15 @@ at::Tensor pack_linear_weight(at::Tensor w);
 at::Tensor linear_packed(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale);
-std::tuple<at::Tensor, at::Tensor> rotate_normalize(at::Tensor x, c10::optional<at::Tensor> signs);
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(at::Tensor x, c10::optional<at::Tensor> signs);
+int64_t int8_panel_width();
+std::tuple<at::Tensor, at::Tensor> pack_int8_weight(at::Tensor codes);
+at::Tensor unpack_int8_weight(at::Tensor panels, int64_t n, int64_t k);
+at::Tensor int8_linear(at::Tensor x, at::Tensor panels, at::Tensor scale, at::Tensor colsum, int64_t n,
+                       c10::optional<at::Tensor> signs, c10::optional<at::Tensor> bias, at::ScalarType out_dtype);
 std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::optional<at::Tensor> residual,
-                                                       std::vector<at::Tensor> weights,
+                                                       std::vector<at::Tensor> norms,
+                                                       std::vector<std::vector<at::Tensor>> linears,
                                                        c10::optional<at::Tensor> qkv_bias, std::vector<int64_t> sizes,
                                                        double eps, at::Tensor positions, at::Tensor cos,
                                                        at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
@@ -41,8 +47,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "w [N, K] -> kvserve's panel layout [P, K, panel width]");
   m.def("linear_packed", &linear_packed, "x @ w.T (+ bias) with w in the panel layout", py::arg("x"), py::arg("wp"),
         py::arg("n"), py::arg("bias") = py::none());
-  m.def("rotate_normalize", &rotate_normalize, "int8 linear input: rows (rotated per 64-block) divided by their max",
+  m.def("int8_quantize_rows", &int8_quantize_rows, "int8 linear input: rows (rotated per 64-block) to int8 codes",
         py::arg("x"), py::arg("signs") = py::none());
+  m.def("int8_panel_width", &int8_panel_width, "output channels per panel of pack_int8_weight's layout");
+  m.def("pack_int8_weight", &pack_int8_weight, "int8 codes [N, K] -> (panels, column sums)");
+  m.def("unpack_int8_weight", &unpack_int8_weight, "panels -> int8 codes [n, k]");
+  m.def("int8_linear", &int8_linear, "W8A8 linear: rows quantized per token, int8 panels, rescaled output",
+        py::arg("x"), py::arg("panels"), py::arg("scale"), py::arg("colsum"), py::arg("n"),
+        py::arg("signs") = py::none(), py::arg("bias") = py::none(), py::arg("out_dtype") = at::kFloat);
   m.def("llama_decoder_layer", &llama_decoder_layer, "a whole Llama decoder layer over kernel-attention rows");
   m.def("sample_gumbel", &sample_gumbel, "one categorical draw per row of logits (Gumbel-max, hashed noise)");
 }

@@ -1,5 +1,6 @@
 // One Llama-family decoder layer in a single call, for steps whose every query row goes through the paged
-// attention kernel (decodes and small prefill chunks) with weights in the panel layout (linear.cpp).
+// attention kernel (decodes and small prefill chunks) with weights in a panel layout (float: linear.cpp, int8:
+// int8_linear.cpp).
 //
 // It runs the same kernels, on the same inputs, in the same order as the Python modules of models/llama.py
 // (LlamaDecoderLayer.forward), so its results are bitwise those of the module path; what it removes is the
@@ -16,23 +17,42 @@ at::Tensor silu_and_mul(at::Tensor x);
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
               bool packed);
 at::Tensor linear_packed(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
+at::Tensor int8_linear(at::Tensor x, at::Tensor panels, at::Tensor scale, at::Tensor colsum, int64_t n,
+                       c10::optional<at::Tensor> signs, c10::optional<at::Tensor> bias, at::ScalarType out_dtype);
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale);
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale);
 
+namespace {
+
+// One linear layer as the module path runs it: [panels] (float panels, linear.cpp) or [panels, scale, colsum] /
+// [panels, scale, colsum, signs] (int8, int8_linear.cpp; signs when the codes are rotated). Output in x's dtype.
+at::Tensor apply_linear(const at::Tensor& x, const std::vector<at::Tensor>& w, int64_t n,
+                        c10::optional<at::Tensor> bias) {
+  if (w.size() == 1) return linear_packed(x, w[0], n, bias);
+  TORCH_CHECK(w.size() == 3 || w.size() == 4, "llama_decoder_layer: a linear is [panels] or int8 [panels, scale, "
+              "colsum(, signs)]");
+  return int8_linear(x, w[0], w[1], w[2], n, w.size() == 4 ? c10::optional<at::Tensor>(w[3]) : c10::nullopt, bias,
+                     x.scalar_type());
+}
+
+}  // namespace
+
 // x [T, hidden]: the layer's input (before its input norm); residual: the residual stream, none for layer 0.
-// weights: input norm, qkv panels, o panels, post-attention norm, gate_up panels, down panels.
+// norms: input norm, post-attention norm. linears: qkv, o, gate_up, down, each as apply_linear takes it.
 // sizes: qkv, o, gate_up and down output features, query heads, kv heads, head dim.
 // Returns (MLP output, residual), as LlamaDecoderLayer.forward does; x and residual are updated in place.
 std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::optional<at::Tensor> residual,
-                                                       std::vector<at::Tensor> weights,
+                                                       std::vector<at::Tensor> norms,
+                                                       std::vector<std::vector<at::Tensor>> linears,
                                                        c10::optional<at::Tensor> qkv_bias, std::vector<int64_t> sizes,
                                                        double eps, at::Tensor positions, at::Tensor cos,
                                                        at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
                                                        at::Tensor slot_mapping, at::Tensor block_table,
                                                        at::Tensor seq_lens, double scale, bool packed) {
-  TORCH_CHECK(weights.size() == 6 && sizes.size() == 7, "llama_decoder_layer: 6 weights, 7 sizes");
+  TORCH_CHECK(norms.size() == 2 && linears.size() == 4 && sizes.size() == 7,
+              "llama_decoder_layer: 2 norms, 4 linears, 7 sizes");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "llama_decoder_layer: contiguous x [T, hidden]");
   const int64_t qkv_n = sizes[0], o_n = sizes[1], gate_up_n = sizes[2], down_n = sizes[3];
   const int64_t num_heads = sizes[4], num_kv_heads = sizes[5], head_dim = sizes[6];
@@ -40,22 +60,22 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::option
   at::Tensor res;
   if (residual.has_value() && residual->defined()) {
     res = *residual;
-    rms_norm_(x, res, weights[0], eps);  // x = norm(x + res), res = x + res
+    rms_norm_(x, res, norms[0], eps);  // x = norm(x + res), res = x + res
   } else {
     res = x;
     x = x.clone();
-    rms_norm_(x, c10::nullopt, weights[0], eps);
+    rms_norm_(x, c10::nullopt, norms[0], eps);
   }
-  at::Tensor qkv = linear_packed(x, weights[1], qkv_n, qkv_bias);
+  at::Tensor qkv = apply_linear(x, linears[0], qkv_n, qkv_bias);
   rotary_(qkv.narrow(1, 0, q_size + kv_size), positions, cos, sin, num_heads + num_kv_heads, head_dim);
   write_kv(qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size), k_cache, v_cache, slot_mapping,
            packed);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim}).contiguous();
   at::Tensor attn = packed ? paged_attention_packed(q, k_cache, v_cache, block_table, seq_lens, scale)
                            : paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale);
-  at::Tensor h = linear_packed(attn.view({t, q_size}), weights[2], o_n, c10::nullopt);
-  rms_norm_(h, res, weights[3], eps);  // h = norm(h + res), res = h + res
-  at::Tensor out = linear_packed(silu_and_mul(linear_packed(h, weights[4], gate_up_n, c10::nullopt)), weights[5],
-                                 down_n, c10::nullopt);
+  at::Tensor h = apply_linear(attn.view({t, q_size}), linears[1], o_n, c10::nullopt);
+  rms_norm_(h, res, norms[1], eps);  // h = norm(h + res), res = h + res
+  at::Tensor out = apply_linear(silu_and_mul(apply_linear(h, linears[2], gate_up_n, c10::nullopt)), linears[3],
+                                down_n, c10::nullopt);
   return {out, res};
 }

@@ -1,11 +1,12 @@
-// Activation preparation for the int8 linear (kvserve/layers/quant/int8_linear.py), one pass per row:
+// Activation quantization for the int8 linear (int8_linear.cpp, kvserve/layers/quant/int8_linear.py), one pass
+// per row:
 //
 //   rotated = (x * signs) H_64 per block of 64 features (H_64 the orthonormal Hadamard matrix, a fast
-//             Walsh-Hadamard transform here), then out = rotated / max|rotated|, row_max = max|rotated|.
+//             Walsh-Hadamard transform here), then q = round(rotated * 127 / max|rotated|) in int8.
 //
 // The rotation spreads a row's outlier features over their block, so per-row 8-bit quantization keeps more of the
 // other features' bits; the weight is rotated the same way when it is quantized, so in exact arithmetic the
-// product is unchanged. fbgemm then quantizes `out` with the fixed range [-1, 1].
+// product is unchanged.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -13,6 +14,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 #include "simd.h"
 
@@ -100,58 +103,102 @@ inline void fwht_block(vf* v) {
       }
 }
 
+// One row into `o` [dim] fp32: (x * signs) H_64 per block of 64 features, without H_64's factor 1/8 (or x itself
+// when signs is null); returns max |o|.
 template <typename T>
-void rotate_normalize_rows(const T* x, int64_t x_stride, const float* signs, float* out, float* row_max, int64_t rows,
-                           int64_t dim) {
+inline float rotate_row(const T* xr, const vf* s, float* o, int64_t dim) {
+  if (s == nullptr) {
+    load_row(xr, o, static_cast<int>(dim));
+    float m = 0.0f;
+    for (int64_t i = 0; i < dim; ++i) m = std::max(m, std::abs(o[i]));
+    return m;
+  }
+  vf vmx = vzero();
+  for (int64_t b = 0; b < dim; b += kBlock) {
+    vf v[kVecs];
+    for (int k = 0; k < kVecs; ++k) v[k] = vmul(vload(xr + b + k * kW), s[k]);
+    fwht_block(v);
+    for (int k = 0; k < kVecs; ++k) {
+      vstore(o + b + k * kW, v[k]);
+      vmx = vmax(vmx, vmax(v[k], vsub(vzero(), v[k])));
+    }
+  }
+  return vmax_all(vmx);
+}
+
+// q[i] = round(v[i] * inv) (to nearest even; |v[i] * inv| <= 127), XOR 0x80 when `flip` (= q + 128 as a uint8).
+inline void quantize_row(const float* v, float inv, int8_t* q, int64_t dim, bool flip) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m128i x80 = _mm_set1_epi8(flip ? static_cast<char>(0x80) : 0);
+  for (; i + 16 <= dim; i += 16) {
+    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + i), vinv));  // MXCSR: nearest even
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm_xor_si128(_mm512_cvtsepi32_epi8(r), x80));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m128i x80 = _mm_set1_epi8(flip ? static_cast<char>(0x80) : 0);
+  for (; i + 8 <= dim; i += 8) {
+    const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), vinv));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_xor_si128(_mm_packs_epi16(w, w), x80));
+  }
+#endif
+  for (; i < dim; ++i) {
+    const int32_t r = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+    q[i] = static_cast<int8_t>(flip ? r ^ 0x80 : r);
+  }
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t x_stride, const float* signs, int8_t* q, int64_t q_stride, float* q_scale,
+                   int64_t rows, int64_t dim, bool flip) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     vf s[kVecs];
     if (signs != nullptr)
       for (int k = 0; k < kVecs; ++k) s[k] = vload(signs + k * kW);
+    std::vector<float> buf(dim);
     for (int64_t row = begin; row < end; ++row) {
-      const T* xr = x + row * x_stride;
-      float* o = out + row * dim;
-      float m = 0.0f;
-      if (signs != nullptr) {
-        vf vmx = vzero();
-        for (int64_t b = 0; b < dim; b += kBlock) {
-          vf v[kVecs];
-          for (int k = 0; k < kVecs; ++k) v[k] = vmul(vload(xr + b + k * kW), s[k]);
-          fwht_block(v);
-          for (int k = 0; k < kVecs; ++k) {
-            vstore(o + b + k * kW, v[k]);
-            vmx = vmax(vmx, vmax(v[k], vsub(vzero(), v[k])));
-          }
-        }
-        m = vmax_all(vmx);
-      } else {
-        load_row(xr, o, static_cast<int>(dim));
-        for (int64_t i = 0; i < dim; ++i) m = std::max(m, std::abs(o[i]));
+      const float m = rotate_row(x + row * x_stride, signs != nullptr ? s : nullptr, buf.data(), dim);
+      int8_t* qr = q + row * q_stride;
+      if (!(m > 0.0f) || !std::isfinite(m)) {  // all zeros; or inf/nan, which must not pass as a number
+        std::fill(qr, qr + dim, static_cast<int8_t>(flip ? 0x80 : 0));
+        q_scale[row] = m == 0.0f ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+        continue;
       }
-      scale_row(o, m > 0.0f ? 1.0f / m : 0.0f, static_cast<int>(dim));
-      // The transform above lacks H_64's factor 1/8; dividing by the row's own maximum cancels it.
-      row_max[row] = signs != nullptr ? m * 0.125f : m;
+      quantize_row(buf.data(), 127.0f / m, qr, dim, flip);
+      // The transform above lacks H_64's factor 1/8; the scale takes it.
+      q_scale[row] = (signs != nullptr ? m * 0.125f : m) / 127.0f;
     }
   });
 }
 
 }  // namespace
 
-// x [T, K] (fp32 or bf16, unit column stride), signs [64] fp32 (+-1) or None -> (out [T, K] fp32 in [-1, 1],
-// row_max [T, 1] fp32) with out * row_max = x, or with signs, per block of 64 features (x * signs) H_64
-// (orthonormal; K a multiple of 64). An all-zero row gives zeros and row_max 0.
-std::tuple<at::Tensor, at::Tensor> rotate_normalize(at::Tensor x, c10::optional<at::Tensor> signs) {
-  const bool rotate = signs.has_value() && signs->defined();
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rotate_normalize: x [T, K] rows");
-  TORCH_CHECK(!rotate || x.size(1) % kBlock == 0, "rotate_normalize: K must be a multiple of 64 to rotate");
-  TORCH_CHECK(!rotate || (signs->scalar_type() == at::kFloat && signs->is_contiguous() && signs->numel() == kBlock),
-              "rotate_normalize: signs [64] fp32");
-  const int64_t rows = x.size(0), dim = x.size(1);
-  auto out = at::empty({rows, dim}, x.options().dtype(at::kFloat));
-  auto row_max = at::empty({rows, 1}, x.options().dtype(at::kFloat));
+// Rows of x [T, K] (fp32 or bf16, unit column stride) into int8 codes q (row stride q_stride, the first K bytes of
+// each row written) and scales: x' = x, or (x * signs) H_64 per block of 64 features (orthonormal H_64; K a multiple
+// of 64) when signs [64] is given; q = round(x' * 127 / max|x'|), q_scale = max|x'| / 127, so q * q_scale ~= x'.
+// An all-zero row gives zeros and scale 0; a row with inf or nan, zeros and scale nan. With `flip`, each code is
+// stored XOR 0x80, i.e. as the uint8 q + 128 (the form VNNI's unsigned-by-signed dot product takes).
+void quantize_rows_int8(const at::Tensor& x, const float* signs, int8_t* q, int64_t q_stride, float* q_scale,
+                        bool flip) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quantize_rows_int8: x [T, K] rows");
+  TORCH_CHECK(signs == nullptr || x.size(1) % kBlock == 0, "quantize_rows_int8: K must be a multiple of 64 to rotate");
   dispatch_float(x, [&](auto tag) {
     using T = decltype(tag);
-    rotate_normalize_rows<T>(x.data_ptr<T>(), x.stride(0), rotate ? signs->data_ptr<float>() : nullptr,
-                             out.data_ptr<float>(), row_max.data_ptr<float>(), rows, dim);
+    quantize_rows<T>(x.data_ptr<T>(), x.stride(0), signs, q, q_stride, q_scale, x.size(0), x.size(1), flip);
   });
-  return {out, row_max};
+}
+
+// The same as a torch op, for tests: x [T, K] -> (q [T, K] int8, q_scale [T] fp32).
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(at::Tensor x, c10::optional<at::Tensor> signs) {
+  const bool rotate = signs.has_value() && signs->defined();
+  TORCH_CHECK(!rotate || (signs->scalar_type() == at::kFloat && signs->is_contiguous() && signs->numel() == kBlock),
+              "int8_quantize_rows: signs [64] fp32");
+  auto q = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kChar));
+  auto q_scale = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  quantize_rows_int8(x, rotate ? signs->data_ptr<float>() : nullptr, q.data_ptr<int8_t>(), x.size(1),
+                     q_scale.data_ptr<float>(), /*flip=*/false);
+  return {q, q_scale};
 }

@@ -1,50 +1,38 @@
-"""W8A8 dynamic int8 linear layer on the CPU, through fbgemm's quantized linear (torch.ops.quantized).
+"""W8A8 dynamic int8 linear layer on the CPU.
 
-Weights: int8, symmetric, one fp32 scale per output channel, prepacked once by fbgemm (the packed copy is the
-only one kept). Activations: quantized per token at run time. fbgemm's dynamic op quantizes its whole input with
-one (per-tensor) range, which would make a row's result depend on the other rows of the batch (another request,
-another prefill chunk). So each row is divided by its own absolute maximum first; every row then lies in [-1, 1],
-and the input is quantized with that fixed range (`activation_quant`: 8 bits with VNNI, 7 without). The int32
-accumulation is exact, so a row's output depends only on that row: batch composition, chunked prefill and
-prefix caching see the same numbers. The output is multiplied back by the row maxima.
+Weights: int8 codes in [-127, 127], symmetric, one fp32 scale per output channel, held once (in the C++ kernel's
+panel layout when the kernels are loaded). Activations: quantized per token at run time, each row with its own
+range: q = round(x * 127 / max|x|). The int32 dot products are exact, so a row's output depends only on that row:
+batch composition, chunked prefill and prefix caching see the same numbers. The output is
+(q . codes) * (max|x| / 127) * scale (+ bias).
 
 Rotation: an LLM's activations carry a few outlier features (10-25x a row's RMS here), and one 8-bit range per
-row then leaves the other features only a few levels; on SmolLM2 that cost +4.2% perplexity over fp32 (+16% where
-fbgemm has no VNNI and quantizes to 7 bits), and +0.5% (+1.4%) with the rotation. Where in_features is a multiple
-of 64, each block of 64 input features is rotated by R = diag(signs) H_64 / 8 (a Hadamard matrix with fixed random
-signs; orthogonal): x W^T = (x R)(W R)^T. The weight is rotated once before it is quantized; the input is rotated
-per row at run time (a fast Walsh-Hadamard transform, in the same pass as the division by the row maximum).
-Rotated rows have their outliers spread over the block, so the 8-bit range fits them far better
-(docs/benchmarks.md has the figures).
+row then leaves the other features only a few levels; on SmolLM2 that cost +4.2% perplexity over fp32, and +0.5%
+with the rotation. Where in_features is a multiple of 64, each block of 64 input features is rotated by
+R = diag(signs) H_64 / 8 (a Hadamard matrix with fixed random signs; orthogonal): x W^T = (x R)(W R)^T. The weight
+is rotated once before it is quantized; the input is rotated per row at run time (a fast Walsh-Hadamard transform,
+in the same pass as its quantization). Rotated rows have their outliers spread over the block, so the 8-bit range
+fits them far better (docs/benchmarks.md has the figures).
 
-Why fbgemm: measured per shape and batch size against oneDNN's int8 qlinear, torch._int_mm, the weight-only
-torch._weight_int8pack_mm, fp32 and packed bf16 (docs/benchmarks.md), it was fastest for every layer of the
-model at 1-256 rows except the vocab-wide LM head at 256 rows.
+Kernels: kvserve's own (kernels/csrc/int8_linear.cpp: quantization, int8 GEMM/GEMV with VNNI or AVX2, rescale in
+one call; the fused decoder layer calls it too). torch's fbgemm dynamic quantized linear was the first choice and
+is measured against it in docs/benchmarks.md: its separate passes cost more than the weights' streaming at batch 1,
+and its opaque packed weight cannot be called from the fused layer. Without the kernels, `forward_native` does the
+same arithmetic in torch (exact int32 products through fp32 matmuls of short k-chunks).
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
 from kvserve.layers.custom_op import CustomOp
-from kvserve.platform import cpu_info
 
 ROTATION_BLOCK = 64
 
 
-@functools.cache
-def activation_quant() -> tuple[float, int]:
-    """(scale, zero point) of the input quantization after per-row normalisation to [-1, 1].
-
-    With VNNI (vpdpbusd) fbgemm sums uint8 x int8 products exactly: [-1, 1] onto uint8 [0, 255]. Without it, its
-    kernels pair products into saturating int16 sums (vpmaddubsw: 2 x 255 x 127 overflows), so the input keeps
-    7 bits, [-1, 1] onto [1, 127], as fbgemm's own `reduce_range` does."""
-    if cpu_info().has("avx512_vnni"):
-        return 1.0 / 127.5, 128
-    return 1.0 / 63.0, 64
+ACTIVATION_LEVELS = 127  # q = round(x * 127 / max|x|): 255 levels, symmetric
 
 
 @functools.cache
@@ -71,9 +59,6 @@ def rotate_blocks(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return (blocks @ (r.t() if inverse else r)).reshape(shape)
 
 
-_CHUNK_OUTPUT_ELEMENTS = 1 << 20  # fp32 outputs of at most 4 MiB per fbgemm call
-
-
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output channel: weight [out, in] (float) -> (codes int8 [out, in], scale fp32 [out]),
     with weight ~= codes * scale[:, None] within scale / 2. An all-zero row gets scale 1 (codes 0)."""
@@ -84,8 +69,33 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return codes, scale
 
 
-def int8_linear_available() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines
+# An fp32 matmul of int8 values is exact while every partial sum stays below 2^24: 1024 products of at most
+# 127 * 127 do.
+_EXACT_FP32_TERMS = 1024
+
+
+def int8_dot(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """q [T, K] int8 @ codes [N, K]^T -> [T, N] int32, exactly, on every CPU. (torch._int_mm goes through oneDNN,
+    whose kernels without VNNI pair products into saturating int16 sums.)"""
+    acc = torch.zeros(q.shape[0], codes.shape[0], dtype=torch.int32)
+    for k0 in range(0, q.shape[1], _EXACT_FP32_TERMS):
+        part = q[:, k0 : k0 + _EXACT_FP32_TERMS].float() @ codes[:, k0 : k0 + _EXACT_FP32_TERMS].float().t()
+        acc += part.to(torch.int32)
+    return acc
+
+
+def quantize_rows(x: torch.Tensor, rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] float -> (q [T, K] int8, scale [T] fp32) with q * scale ~= x (rotated per 64-block when `rotate`),
+    as the kernel's quantization does: an all-zero row gives zeros and scale 0, a row with inf/nan scale nan."""
+    xf = x.float()
+    if rotate:
+        xf = rotate_blocks(xf)
+    row_max = xf.abs().amax(1)  # [T]
+    finite = torch.isfinite(row_max)
+    inv = torch.where(finite & (row_max > 0), ACTIVATION_LEVELS / row_max, torch.zeros_like(row_max))
+    q = torch.round(xf * inv[:, None]).nan_to_num_(0.0).to(torch.int8)
+    scale = torch.where(finite, row_max / ACTIVATION_LEVELS, torch.full_like(row_max, float("nan")))
+    return q, scale
 
 
 class Int8Linear(CustomOp):
@@ -111,18 +121,27 @@ class Int8Linear(CustomOp):
                 f"expected int8 codes [out, in] and scale [out], got {codes.dtype} "
                 f"{tuple(codes.shape)} and {tuple(scale.shape)}"
             )
+        if codes.numel() and int(codes.min()) < -127:
+            raise ValueError("int8 codes must lie in [-127, 127] (symmetric; -128 has no positive counterpart)")
         self.out_features, self.in_features = codes.shape
         if rotated and self.in_features % ROTATION_BLOCK:
             raise ValueError(f"rotated codes need in_features divisible by {ROTATION_BLOCK}, got {self.in_features}")
         self.rotated = rotated
         self._signs = rotation_signs() if rotated else None  # [64]
-        zero_points = torch.zeros(self.out_features, dtype=torch.long)
-        with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's prepack still takes them
-            warnings.simplefilter("ignore")
-            qweight = torch._make_per_channel_quantized_tensor(codes.contiguous(), scale.double(), zero_points, 0)
-        # The bias is added after the per-row rescale (the op would add it before), so fbgemm does not get it.
         self.bias = None if bias is None else bias.detach().float().clone()  # [out]
-        self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        scale = scale.detach().float()
+        # One form of the weight: the kernel's panels (with column sums and the scale padded to whole panels), or
+        # the plain codes for forward_native.
+        self._codes: torch.Tensor | None = None
+        self._panels: torch.Tensor | None = None
+        self._colsum: torch.Tensor | None = None
+        if self.kernels is not None:
+            self._panels, self._colsum = self.kernels.pack_int8_weight(codes.contiguous())
+            self._scale = torch.zeros(self._colsum.numel())
+            self._scale[: self.out_features] = scale
+        else:
+            self._codes = codes.contiguous().clone()
+            self._scale = scale.clone()
 
     @classmethod
     def from_float(
@@ -139,9 +158,11 @@ class Int8Linear(CustomOp):
         return cls(codes, scale, bias, rotated, use_kernel, out_dtype)
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(codes int8 [out, in], scale fp32 [out], bias) as held by the packed weight (rotated if `rotated`)."""
-        qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
-        return qweight.int_repr(), qweight.q_per_channel_scales().float(), self.bias
+        """(codes int8 [out, in], scale fp32 [out], bias) as held (rotated if `rotated`)."""
+        if self._codes is not None:
+            return self._codes, self._scale, self.bias
+        codes = self.kernels.unpack_int8_weight(self._panels, self.out_features, self.in_features)
+        return codes, self._scale[: self.out_features].clone(), self.bias
 
     def dequantize(self) -> torch.Tensor:
         """The weight this layer multiplies by, [out, in] fp32, in the input's (unrotated) basis."""
@@ -150,58 +171,45 @@ class Int8Linear(CustomOp):
         return rotate_blocks(w, inverse=True) if self.rotated else w
 
     def weight_bytes(self) -> int:
-        """Bytes the packed weight holds: the int8 codes, plus per channel an fp32 scale and an int32 column sum."""
-        return self.out_features * (self.in_features + 8) + (0 if self.bias is None else 4 * self.out_features)
+        """Bytes of the weight as held: the int8 codes (padded to whole panels), the scales, column sums, bias."""
+        held = [self._codes, self._panels, self._colsum, self._scale, self.bias]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def fused_spec(self) -> list[torch.Tensor] | None:
+        """This layer as the fused C++ decoder layer takes an int8 linear (decoder_layer.cpp's apply_linear), or
+        None without the kernels."""
+        if self._panels is None:
+            return None
+        spec = [self._panels, self._scale, self._colsum]
+        return spec + [self._signs] if self.rotated else spec
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.reshape(-1, self.in_features).float()
-        if self.rotated:
-            xf = rotate_blocks(xf)
-        row_max = xf.abs().amax(1, keepdim=True)  # [T, 1]
-        return self._int8_matmul(xf / row_max.clamp_min(1e-30), row_max, x)
+        codes, scale, bias = self.unpack()
+        q, row_scale = quantize_rows(x.reshape(-1, self.in_features), self.rotated)
+        y = int8_dot(q, codes).float() * (row_scale[:, None] * scale[None, :])
+        if bias is not None:
+            y = y + bias
+        return y.to(self.out_dtype or x.dtype).view(*x.shape[:-1], self.out_features)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype not in (torch.float32, torch.bfloat16) or x2.stride(1) != 1:
-            return self.forward_native(x)
-        normalized, row_max = self.kernels.rotate_normalize(x2, self._signs)
-        return self._int8_matmul(normalized, row_max, x)
-
-    def _int8_matmul(self, normalized: torch.Tensor, row_max: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """normalized [T, in] fp32 in [-1, 1], row_max [T, 1] -> (normalized * row_max) W^T (+ b), shaped like x,
-        in out_dtype (or x's dtype)."""
-        rows = normalized.shape[0]
+            x2 = x2.float().contiguous()
         dtype = self.out_dtype or x.dtype
-        # fbgemm slows down once its fp32 output outgrows the caches (the LM head at 256 rows: 49 ms in one call,
-        # 25 ms in four); rows are independent, so big inputs go through in chunks.
-        chunk = max(64, _CHUNK_OUTPUT_ELEMENTS // self.out_features)
-        if rows <= chunk:
-            out = self._finish(self._fbgemm(normalized), row_max, dtype)
-        else:
-            out = torch.empty(rows, self.out_features, dtype=dtype)
-            for start in range(0, rows, chunk):
-                end = min(start + chunk, rows)
-                self._finish(self._fbgemm(normalized[start:end]), row_max[start:end], dtype, out[start:end])
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def _fbgemm(self, normalized: torch.Tensor) -> torch.Tensor:
-        scale, zero_point = activation_quant()
-        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            normalized, scale, zero_point, self._packed
+        y = self.kernels.int8_linear(
+            x2,
+            self._panels,
+            self._scale,
+            self._colsum,
+            self.out_features,
+            self._signs,
+            self.bias,
+            dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32,
         )
-
-    def _finish(
-        self, y: torch.Tensor, row_max: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """y * row_max (+ bias) in `dtype`, in one pass (in place when the output is fp32)."""
-        if out is None:
-            out = y if dtype == torch.float32 else torch.empty(y.shape, dtype=dtype)
-        if self.bias is None:
-            return torch.mul(y, row_max, out=out)
-        return torch.addcmul(self.bias, y, row_max, out=out)
+        return y.to(dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
-            f"rotated={self.rotated}, out_dtype={self.out_dtype}, int8 fbgemm, impl={self.impl}"
+            f"rotated={self.rotated}, out_dtype={self.out_dtype}, impl={self.impl}"
         )

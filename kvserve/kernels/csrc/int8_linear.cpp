@@ -1,0 +1,306 @@
+// Int8 linear layers on the CPU (W8A8, kvserve/layers/quant/int8_linear.py), in one call per layer:
+//
+//   q[m]  = round(x'[m] * 127 / max|x'[m]|)   int8, per input row (x' = x rotated per 64-block when asked, quant.cpp)
+//   y[m, n] = (sum_k q[m, k] codes[n, k]) * (max|x'[m]| / 127) * scale[n] (+ bias[n])
+//
+// The dot products are exact int32 sums, so a row's output depends only on that row (batch composition, chunked
+// prefill and prefix caching see the same numbers), and the kernel's result equals the torch reference
+// (int8_linear.py's forward_native) given the same codes.
+//
+// Why our own kernel rather than fbgemm's dynamic quantized linear (which the first version used): at batch 1 a
+// 135M model spends ~0.1 ms per layer in the fbgemm route's separate passes (input normalisation, fbgemm's own
+// input quantization, the fp32 output, our rescale) and Python between them, and fbgemm's opaque packed weight
+// cannot be called from the fused C++ decoder layer; measured on kind A the whole route decoded at 0.69x
+// llama.cpp's speed (docs/benchmarks.md). Here quantization, the GEMM and the rescale are one pass each over
+// registers, and the weight is in a panel layout the fused layer reads directly.
+//
+// Weight layout (pack_int8_weight): the output channels are grouped in panels of kNP (two vectors of int32 lanes,
+// as linear.cpp's fp32 panels); a panel is stored as [K/4, kNP, 4]: one vector load gives kW channels x 4
+// consecutive k, which is what the ISA's 4-way int8 dot instruction multiplies with 4 broadcast activations:
+// - AVX512-VNNI (vpdpbusd): unsigned x signed bytes, so the activations enter as q + 128 and 128 * sum_k codes[n, k]
+//   (the column sum, kept with the panels) is taken off afterwards;
+// - AVX-512BW / AVX2 (vpmaddubsw + vpmaddwd): |q| times codes with q's sign, pairwise sums of two products of at
+//   most 127 * 127, which never saturate int16 (codes are kept in [-127, 127] for this);
+// - generic: plain integer loops.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+void quantize_rows_int8(const at::Tensor& x, const float* signs, int8_t* q, int64_t q_stride, float* q_scale,
+                        bool flip);
+
+namespace {
+
+using namespace kvserve;
+
+constexpr int kNV = 2;         // vectors per panel row
+constexpr int kNP = kNV * kW;  // panel width: output channels per panel
+constexpr int kQ = 4;          // k values per int32 lane in one dot step
+
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline int32_t load_quad(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, sizeof(v));
+  return v;
+}
+
+// ---------------------------------------------------------------- the 4-way int8 dot step, per ISA
+// Quad: 4 activations broadcast to every lane, prepared once per k step and row; dot(acc, x, w): lane j of acc
+// += sum_b x[b] * w[4 j + b] for the kW lanes of weights at w.
+#if defined(__AVX512VNNI__)
+constexpr int32_t kOffset = 128;  // activations are stored as unsigned bytes, q + 128 (quantize_rows_int8's flip)
+constexpr int kMR = 12;           // rows per tile: 12 x 2 accumulators + 2 weights + 1 broadcast of 32 registers
+struct Quad {
+  __m512i u;
+};
+inline Quad quad(const int8_t* x) { return {_mm512_set1_epi32(load_quad(x))}; }
+inline vi dot(vi acc, const Quad& x, const int8_t* w) {
+  return _mm512_dpbusd_epi32(acc, x.u, _mm512_loadu_si512(w));
+}
+#elif defined(__AVX512BW__)
+constexpr int32_t kOffset = 0;
+constexpr int kMR = 8;  // the sign step needs temporaries beside the 2 x MR accumulators
+struct Quad {
+  __m512i abs;
+  __mmask64 neg;
+};
+inline Quad quad(const int8_t* x) {
+  const __m512i v = _mm512_set1_epi32(load_quad(x));
+  return {_mm512_abs_epi8(v), _mm512_movepi8_mask(v)};
+}
+inline vi dot(vi acc, const Quad& x, const int8_t* w) {
+  const __m512i wv = _mm512_loadu_si512(w);
+  const __m512i ws = _mm512_mask_sub_epi8(wv, x.neg, _mm512_setzero_si512(), wv);  // w with q's sign
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(x.abs, ws), _mm512_set1_epi16(1)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int32_t kOffset = 0;
+constexpr int kMR = 4;  // 2 x 4 accumulators + 2 weights + broadcast, |broadcast|, temporaries of 16 registers
+struct Quad {
+  __m256i v, abs;
+};
+inline Quad quad(const int8_t* x) {
+  const __m256i v = _mm256_set1_epi32(load_quad(x));
+  return {v, _mm256_abs_epi8(v)};
+}
+inline vi dot(vi acc, const Quad& x, const int8_t* w) {
+  const __m256i ws = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), x.v);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x.abs, ws), _mm256_set1_epi16(1)));
+}
+#else
+constexpr int32_t kOffset = 0;
+constexpr int kMR = 4;
+struct Quad {
+  int32_t x[kQ];
+};
+inline Quad quad(const int8_t* x) { return {{x[0], x[1], x[2], x[3]}}; }
+inline vi dot(vi acc, const Quad& x, const int8_t* w) {
+  for (int j = 0; j < kW; ++j)
+    acc[j] += x.x[0] * w[4 * j] + x.x[1] * w[4 * j + 1] + x.x[2] * w[4 * j + 2] + x.x[3] * w[4 * j + 3];
+  return acc;
+}
+#endif
+
+// What turns one panel's int32 sums into outputs: per-channel scale and column sum (both padded to whole panels),
+// the bias (padded, or null).
+struct PanelEpilogue {
+  const float* scale;
+  const int32_t* colsum;
+  const float* bias;
+};
+
+// y[0..ncols) = (acc - kOffset * colsum) * (row_scale * scale) (+ bias) for kNV vectors of one row of one panel.
+template <typename TO>
+inline void finish_row(const vi* acc, float row_scale, const PanelEpilogue& e, TO* y, int ncols) {
+  alignas(64) float tmp[kNP];
+  const vf rs = vset(row_scale);
+  for (int v = 0; v < kNV; ++v) {
+    vi a = acc[v];
+    if constexpr (kOffset != 0) {
+      vi c;
+      std::memcpy(&c, e.colsum + v * kW, sizeof(c));
+      a = visub(a, vimul(c, viset(kOffset)));
+    }
+    // One explicit rounding sequence (the compiler may not contract a separate multiply and add differently in
+    // the GEMV and the GEMM), so a row's output does not depend on its batch.
+    const vf a_f = vitof(a), s = vmul(rs, vload(e.scale + v * kW));
+    const vf r = e.bias != nullptr ? vfma(a_f, s, vload(e.bias + v * kW)) : vmul(a_f, s);
+    if (ncols >= (v + 1) * kW) {
+      vstore(y + v * kW, r);
+    } else {
+      vstore(tmp + v * kW, r);
+    }
+  }
+  if (ncols < kNP)
+    for (int c = (ncols / kW) * kW; c < ncols; ++c) y[c] = static_cast<TO>(tmp[c]);
+}
+
+// Rows [0, MR) of the input against one panel, over all k: MR x kNV accumulators.
+template <int MR, typename TO>
+inline void row_tile(const int8_t* xq, int64_t ldx, const float* row_scale, const int8_t* panel, int64_t k4,
+                     const PanelEpilogue& e, TO* y, int64_t ldy, int ncols) {
+  vi acc[MR][kNV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < kNV; ++v) acc[i][v] = viset(0);
+  for (int64_t q = 0; q < k4; ++q) {
+    const int8_t* w = panel + q * kNP * kQ;
+    for (int i = 0; i < MR; ++i) {
+      const Quad x = quad(xq + i * ldx + q * kQ);
+      for (int v = 0; v < kNV; ++v) acc[i][v] = dot(acc[i][v], x, w + v * kW * kQ);
+    }
+  }
+  for (int i = 0; i < MR; ++i) finish_row(acc[i], row_scale[i], e, y + i * ldy, ncols);
+}
+
+template <int MR, typename TO>
+inline void tail_tile(int rows, const int8_t* xq, int64_t ldx, const float* row_scale, const int8_t* panel,
+                      int64_t k4, const PanelEpilogue& e, TO* y, int64_t ldy, int ncols) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return row_tile<MR>(xq, ldx, row_scale, panel, k4, e, y, ldy, ncols);
+    tail_tile<MR - 1>(rows, xq, ldx, row_scale, panel, k4, e, y, ldy, ncols);
+  }
+}
+
+// One input row (batch-1 decode) against NP consecutive panels: NP x kNV independent accumulator chains and NP
+// sequential weight streams, as linear.cpp's gemv_panels.
+template <int NP, typename TO>
+inline void gemv_panels(const int8_t* xq, float row_scale, const int8_t* panels, int64_t k4, const PanelEpilogue& e,
+                        TO* y, int ncols) {
+  vi acc[NP][kNV];
+  for (int p = 0; p < NP; ++p)
+    for (int v = 0; v < kNV; ++v) acc[p][v] = viset(0);
+  for (int64_t q = 0; q < k4; ++q) {
+    const Quad x = quad(xq + q * kQ);
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < kNV; ++v) acc[p][v] = dot(acc[p][v], x, panels + ((p * k4 + q) * kNP + v * kW) * kQ);
+  }
+  for (int p = 0; p < NP; ++p) {
+    const PanelEpilogue ep{e.scale + p * kNP, e.colsum + p * kNP, e.bias ? e.bias + p * kNP : nullptr};
+    finish_row(acc[p], row_scale, ep, y + p * kNP, std::min(ncols - p * kNP, kNP));
+  }
+}
+
+template <typename TO>
+void gemm_int8(const int8_t* xq, const float* row_scale, const int8_t* wp, const PanelEpilogue& e, TO* y, int64_t M,
+               int64_t N, int64_t k4) {
+  const int64_t num_panels = cdiv(N, kNP);
+  const int64_t ldx = k4 * kQ;
+  auto epilogue = [&](int64_t p) {
+    return PanelEpilogue{e.scale + p * kNP, e.colsum + p * kNP, e.bias ? e.bias + p * kNP : nullptr};
+  };
+  if (M == 1) {
+    constexpr int kGP = 4;  // panels per gemv call
+    at::parallel_for(0, num_panels, kGP, [&](int64_t p_begin, int64_t p_end) {
+      for (int64_t p = p_begin; p < p_end;) {
+        const int np = static_cast<int>(std::min<int64_t>(kGP, p_end - p));
+        const int ncols = static_cast<int>(std::min<int64_t>(np * kNP, N - p * kNP));
+        const int8_t* panels = wp + p * k4 * kNP * kQ;
+        if (np == kGP) {
+          gemv_panels<kGP>(xq, row_scale[0], panels, k4, epilogue(p), y + p * kNP, ncols);
+          p += kGP;
+        } else {
+          gemv_panels<1>(xq, row_scale[0], panels, k4, epilogue(p), y + p * kNP, std::min(ncols, kNP));
+          p += 1;
+        }
+      }
+    });
+    return;
+  }
+  // Input rows in blocks of at most ~256 KiB of int8 (they stay in L2 while the thread's panels pass); a panel
+  // (K x kNP bytes, 18-48 KiB here) stays in L1/L2 across the block's row tiles.
+  const int64_t mc_max = std::max<int64_t>(kMR, (256 << 10) / ldx / kMR * kMR);
+  const int64_t mc = std::min(M, cdiv(cdiv(M, cdiv(M, mc_max)), kMR) * kMR);
+  at::parallel_for(0, num_panels, 1, [&](int64_t p_begin, int64_t p_end) {
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+      const int64_t mcur = std::min(mc, M - m0);
+      for (int64_t p = p_begin; p < p_end; ++p) {
+        const int ncols = static_cast<int>(std::min<int64_t>(kNP, N - p * kNP));
+        const int8_t* panel = wp + p * k4 * kNP * kQ;
+        const PanelEpilogue ep = epilogue(p);
+        TO* yp = y + m0 * N + p * kNP;
+        const int8_t* xp = xq + m0 * ldx;
+        const float* rs = row_scale + m0;
+        int64_t i = 0;
+        for (; i + kMR <= mcur; i += kMR) row_tile<kMR>(xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N, ncols);
+        if (i < mcur)
+          tail_tile<kMR - 1>(static_cast<int>(mcur - i), xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N,
+                             ncols);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+int64_t int8_panel_width() { return kNP; }
+
+// codes [N, K] int8 in [-127, 127] -> (panels [ceil(N / kNP), ceil(K / 4), kNP, 4] int8, zero-padded in N and K;
+// colsum [ceil(N / kNP) * kNP] int32: sum_k codes[n, k], zero past N).
+std::tuple<at::Tensor, at::Tensor> pack_int8_weight(at::Tensor codes) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar, "pack_int8_weight: int8 codes [N, K]");
+  TORCH_CHECK(codes.numel() == 0 || codes.min().item<int>() >= -127, "pack_int8_weight: codes must be >= -127");
+  const int64_t N = codes.size(0), K = codes.size(1), P = cdiv(N, kNP), K4 = cdiv(K, kQ);
+  auto padded = at::zeros({P * kNP, K4 * kQ}, codes.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(codes);
+  auto panels = padded.view({P, kNP, K4, kQ}).permute({0, 2, 1, 3}).contiguous();
+  auto colsum = padded.sum(1, /*keepdim=*/false, at::kInt);
+  return {panels, colsum};
+}
+
+// The inverse of pack_int8_weight: panels -> codes [n, k].
+at::Tensor unpack_int8_weight(at::Tensor panels, int64_t n, int64_t k) {
+  TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kNP && panels.size(3) == kQ, "unpack_int8_weight: panels");
+  const int64_t P = panels.size(0), K4 = panels.size(1);
+  return panels.permute({0, 2, 1, 3}).reshape({P * kNP, K4 * kQ}).narrow(0, 0, n).narrow(1, 0, k).contiguous();
+}
+
+// x [M, K] (fp32 or bf16, unit column stride) -> y [M, n] in out_dtype (fp32 or bf16): the int8 linear above.
+// panels/colsum from pack_int8_weight; scale [P * kNP] fp32 (zero-padded); signs [64] fp32 to rotate x per
+// 64-block (K a multiple of 64; the codes must be of the rotated weight), or None; bias [n] or None.
+at::Tensor int8_linear(at::Tensor x, at::Tensor panels, at::Tensor scale, at::Tensor colsum, int64_t n,
+                       c10::optional<at::Tensor> signs, c10::optional<at::Tensor> bias, at::ScalarType out_dtype) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "int8_linear: x [M, K] rows");
+  TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kNP && panels.size(3) == kQ && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kChar,
+              "int8_linear: panels from pack_int8_weight");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), K4 = panels.size(1);
+  TORCH_CHECK(cdiv(K, kQ) == K4, "int8_linear: x has ", K, " features, the weight ", K4 * kQ);
+  TORCH_CHECK(n > (P - 1) * kNP && n <= P * kNP, "int8_linear: n does not match the panels");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == P * kNP,
+              "int8_linear: scale [panels * width] fp32");
+  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.numel() == P * kNP,
+              "int8_linear: colsum [panels * width] int32");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "int8_linear: fp32 or bf16 output");
+  const bool rotate = signs.has_value() && signs->defined();
+  at::Tensor bias_padded;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "int8_linear: bias [n]");
+    bias_padded = at::zeros({P * kNP}, x.options().dtype(at::kFloat));
+    bias_padded.narrow(0, 0, n).copy_(bias->reshape({n}));
+  }
+  // Zero codes past K (stored flipped, 0x80, when the kernel takes q + 128: their products then cancel against
+  // the padded weights' zero codes either way).
+  auto xq = at::full({M, K4 * kQ}, kOffset != 0 ? -128 : 0, x.options().dtype(at::kChar));
+  auto row_scale = at::empty({M}, x.options().dtype(at::kFloat));
+  auto y = at::empty({M, n}, x.options().dtype(out_dtype));
+  if (M == 0) return y;
+  quantize_rows_int8(x, rotate ? signs->data_ptr<float>() : nullptr, xq.data_ptr<int8_t>(), K4 * kQ,
+                     row_scale.data_ptr<float>(), /*flip=*/kOffset != 0);
+  const PanelEpilogue e{scale.data_ptr<float>(), colsum.data_ptr<int32_t>(),
+                        bias_padded.defined() ? bias_padded.data_ptr<float>() : nullptr};
+  if (out_dtype == at::kFloat) {
+    gemm_int8<float>(xq.data_ptr<int8_t>(), row_scale.data_ptr<float>(), panels.data_ptr<int8_t>(), e,
+                     y.data_ptr<float>(), M, n, K4);
+  } else {
+    gemm_int8<at::BFloat16>(xq.data_ptr<int8_t>(), row_scale.data_ptr<float>(), panels.data_ptr<int8_t>(), e,
+                            y.data_ptr<at::BFloat16>(), M, n, K4);
+  }
+  return y;
+}
