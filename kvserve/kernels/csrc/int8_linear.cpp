@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "simd.h"
 
@@ -116,75 +117,86 @@ struct PanelEpilogue {
   const float* bias;
 };
 
-// y[0..ncols) = (acc - kOffset * colsum) * (row_scale * scale) (+ bias) for kNV vectors of one row of one panel.
+// y[0..ncols) = (acc - kOffset * colsum) * (row_scale * scale) (+ bias) for vector v of one row of one panel (its
+// channels v * kW ..; ncols counts from the panel's start). The accumulators come by value: an accumulator array
+// whose address escapes would be kept in memory by the compiler, with a load and a store per dot step.
 template <typename TO>
-inline void finish_row(const vi* acc, float row_scale, const PanelEpilogue& e, TO* y, int ncols) {
-  alignas(64) float tmp[kNP];
-  const vf rs = vset(row_scale);
-  for (int v = 0; v < kNV; ++v) {
-    vi a = acc[v];
-    if constexpr (kOffset != 0) {
-      vi c;
-      std::memcpy(&c, e.colsum + v * kW, sizeof(c));
-      a = visub(a, vimul(c, viset(kOffset)));
-    }
-    // One explicit rounding sequence (the compiler may not contract a separate multiply and add differently in
-    // the GEMV and the GEMM), so a row's output does not depend on its batch.
-    const vf a_f = vitof(a), s = vmul(rs, vload(e.scale + v * kW));
-    const vf r = e.bias != nullptr ? vfma(a_f, s, vload(e.bias + v * kW)) : vmul(a_f, s);
-    if (ncols >= (v + 1) * kW) {
-      vstore(y + v * kW, r);
-    } else {
-      vstore(tmp + v * kW, r);
-    }
+inline void finish_vec(vi a, int v, float row_scale, const PanelEpilogue& e, TO* y, int ncols) {
+  const int c0 = v * kW;
+  if (c0 >= ncols) return;
+  if constexpr (kOffset != 0) {
+    vi c;
+    std::memcpy(&c, e.colsum + c0, sizeof(c));
+    a = visub(a, vimul(c, viset(kOffset)));
   }
-  if (ncols < kNP)
-    for (int c = (ncols / kW) * kW; c < ncols; ++c) y[c] = static_cast<TO>(tmp[c]);
+  // One explicit rounding sequence (the compiler may not contract a separate multiply and add differently in
+  // the GEMV and the GEMM), so a row's output does not depend on its batch.
+  const vf a_f = vitof(a), s = vmul(vset(row_scale), vload(e.scale + c0));
+  const vf r = e.bias != nullptr ? vfma(a_f, s, vload(e.bias + c0)) : vmul(a_f, s);
+  if (ncols - c0 >= kW) {
+    vstore(y + c0, r);
+  } else {
+    alignas(64) float tmp[kW];
+    vstore(tmp, r);
+    for (int c = 0; c < ncols - c0; ++c) y[c0 + c] = static_cast<TO>(tmp[c]);
+  }
 }
 
-// Rows [0, MR) of the input against one panel, over all k: MR x kNV accumulators.
-template <int MR, typename TO>
-inline void row_tile(const int8_t* xq, int64_t ldx, const float* row_scale, const int8_t* panel, int64_t k4,
-                     const PanelEpilogue& e, TO* y, int64_t ldy, int ncols) {
-  vi acc[MR][kNV];
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < kNV; ++v) acc[i][v] = viset(0);
+static_assert(kNV == 2, "the tiles below are written for two vectors per panel row");
+
+// The row and panel loops below are folds over compile-time index packs, not `for` loops: GCC keeps an accumulator
+// array in vector registers only when every index into it is a constant from the start (with a `for` over the
+// rows, even fully unrolled, the GEMM tile's 24 accumulators stayed in memory, loaded and stored on every k step,
+// at half the speed).
+
+// Rows I... of the input against one panel, over all k: 2 accumulators per row.
+template <typename TO, size_t... I>
+inline void row_tile(std::index_sequence<I...>, const int8_t* xq, int64_t ldx, const float* row_scale,
+                     const int8_t* panel, int64_t k4, const PanelEpilogue& e, TO* y, int64_t ldy, int ncols) {
+  vi acc[sizeof...(I)][kNV];
+  ((acc[I][0] = viset(0), acc[I][1] = viset(0)), ...);
   for (int64_t q = 0; q < k4; ++q) {
     const int8_t* w = panel + q * kNP * kQ;
-    for (int i = 0; i < MR; ++i) {
-      const Quad x = quad(xq + i * ldx + q * kQ);
-      for (int v = 0; v < kNV; ++v) acc[i][v] = dot(acc[i][v], x, w + v * kW * kQ);
-    }
+    const int8_t* x = xq + q * kQ;
+    ((acc[I][0] = dot(acc[I][0], quad(x + I * ldx), w), acc[I][1] = dot(acc[I][1], quad(x + I * ldx), w + kW * kQ)),
+     ...);
   }
-  for (int i = 0; i < MR; ++i) finish_row(acc[i], row_scale[i], e, y + i * ldy, ncols);
+  ((finish_vec(acc[I][0], 0, row_scale[I], e, y + I * ldy, ncols),
+    finish_vec(acc[I][1], 1, row_scale[I], e, y + I * ldy, ncols)),
+   ...);
 }
 
-template <int MR, typename TO>
+// The last rows of a block (fewer than kMR): the same tile with `rows` rows.
+template <typename TO, int MR = kMR - 1>
 inline void tail_tile(int rows, const int8_t* xq, int64_t ldx, const float* row_scale, const int8_t* panel,
                       int64_t k4, const PanelEpilogue& e, TO* y, int64_t ldy, int ncols) {
   if constexpr (MR > 0) {
-    if (rows == MR) return row_tile<MR>(xq, ldx, row_scale, panel, k4, e, y, ldy, ncols);
-    tail_tile<MR - 1>(rows, xq, ldx, row_scale, panel, k4, e, y, ldy, ncols);
+    if (rows == MR)
+      return row_tile<TO>(std::make_index_sequence<MR>{}, xq, ldx, row_scale, panel, k4, e, y, ldy, ncols);
+    tail_tile<TO, MR - 1>(rows, xq, ldx, row_scale, panel, k4, e, y, ldy, ncols);
   }
 }
 
-// One input row (batch-1 decode) against NP consecutive panels: NP x kNV independent accumulator chains and NP
-// sequential weight streams, as linear.cpp's gemv_panels.
-template <int NP, typename TO>
-inline void gemv_panels(const int8_t* xq, float row_scale, const int8_t* panels, int64_t k4, const PanelEpilogue& e,
-                        TO* y, int ncols) {
-  vi acc[NP][kNV];
-  for (int p = 0; p < NP; ++p)
-    for (int v = 0; v < kNV; ++v) acc[p][v] = viset(0);
+// One input row (batch-1 decode) against panels P...: 2 x NP independent accumulator chains and NP sequential weight
+// streams, as linear.cpp's gemv_panels.
+template <typename TO, size_t... P>
+inline void gemv_panels(std::index_sequence<P...>, const int8_t* xq, float row_scale, const int8_t* panels,
+                        int64_t k4, const PanelEpilogue& e, TO* y, int ncols) {
+  vi acc[sizeof...(P)][kNV];
+  ((acc[P][0] = viset(0), acc[P][1] = viset(0)), ...);
   for (int64_t q = 0; q < k4; ++q) {
     const Quad x = quad(xq + q * kQ);
-    for (int p = 0; p < NP; ++p)
-      for (int v = 0; v < kNV; ++v) acc[p][v] = dot(acc[p][v], x, panels + ((p * k4 + q) * kNP + v * kW) * kQ);
+    ((acc[P][0] = dot(acc[P][0], x, panels + ((P * k4 + q) * kNP) * kQ),
+      acc[P][1] = dot(acc[P][1], x, panels + ((P * k4 + q) * kNP + kW) * kQ)),
+     ...);
   }
-  for (int p = 0; p < NP; ++p) {
+  auto finish_panel = [&](const vi* a, int64_t p) {
     const PanelEpilogue ep{e.scale + p * kNP, e.colsum + p * kNP, e.bias ? e.bias + p * kNP : nullptr};
-    finish_row(acc[p], row_scale, ep, y + p * kNP, std::min(ncols - p * kNP, kNP));
-  }
+    const int nc = static_cast<int>(std::min<int64_t>(ncols - p * kNP, kNP));
+    finish_vec(a[0], 0, row_scale, ep, y + p * kNP, nc);
+    finish_vec(a[1], 1, row_scale, ep, y + p * kNP, nc);
+  };
+  (finish_panel(acc[P], P), ...);
 }
 
 template <typename TO>
@@ -203,10 +215,12 @@ void gemm_int8(const int8_t* xq, const float* row_scale, const int8_t* wp, const
         const int ncols = static_cast<int>(std::min<int64_t>(np * kNP, N - p * kNP));
         const int8_t* panels = wp + p * k4 * kNP * kQ;
         if (np == kGP) {
-          gemv_panels<kGP>(xq, row_scale[0], panels, k4, epilogue(p), y + p * kNP, ncols);
+          gemv_panels<TO>(std::make_index_sequence<kGP>{}, xq, row_scale[0], panels, k4, epilogue(p), y + p * kNP,
+                          ncols);
           p += kGP;
         } else {
-          gemv_panels<1>(xq, row_scale[0], panels, k4, epilogue(p), y + p * kNP, std::min(ncols, kNP));
+          gemv_panels<TO>(std::make_index_sequence<1>{}, xq, row_scale[0], panels, k4, epilogue(p), y + p * kNP,
+                          std::min(ncols, kNP));
           p += 1;
         }
       }
@@ -228,10 +242,11 @@ void gemm_int8(const int8_t* xq, const float* row_scale, const int8_t* wp, const
         const int8_t* xp = xq + m0 * ldx;
         const float* rs = row_scale + m0;
         int64_t i = 0;
-        for (; i + kMR <= mcur; i += kMR) row_tile<kMR>(xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N, ncols);
+        for (; i + kMR <= mcur; i += kMR)
+          row_tile<TO>(std::make_index_sequence<kMR>{}, xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N,
+                       ncols);
         if (i < mcur)
-          tail_tile<kMR - 1>(static_cast<int>(mcur - i), xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N,
-                             ncols);
+          tail_tile<TO>(static_cast<int>(mcur - i), xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N, ncols);
       }
     }
   });
