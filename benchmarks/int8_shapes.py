@@ -32,6 +32,23 @@ def fbgemm_dynamic(w: torch.Tensor):
     return torch.ops.quantized.linear_prepack(codes_scale, None)
 
 
+def time_paths(kernels, x: torch.Tensor, n: int, int8: list, fbgemm: list, panels: list, bf16: list) -> dict:
+    """Best ms per call of each path, taking the weight copies in turn."""
+    xb, turn = x.bfloat16(), iter(range(10**9))
+
+    def pick(held: list):
+        return held[next(turn) % len(held)]
+
+    paths = {
+        "int8 kvserve": lambda: pick(int8)(x),
+        "int8 fbgemm": lambda: torch.ops.quantized.linear_dynamic(x, pick(fbgemm), True),
+        "fp32 panels": lambda: kernels.linear_packed(x, pick(panels), n),
+    }
+    if bf16:
+        paths["bf16 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(xb, pick(bf16), None, "none", [], "")
+    return {name: best_ms(fn) for name, fn in paths.items()}
+
+
 def main(rows: list[int]) -> None:
     kernels = load_cpu_kernels()
     if kernels is None:
@@ -49,27 +66,14 @@ def main(rows: list[int]) -> None:
         panels = [kernels.pack_linear_weight(w) for w in plain]
         bf16 = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64) for w in plain] if info.native_bf16 else []
         for m in rows:
-            x = torch.randn(m, k)
-            xb = x.bfloat16()
-            turn = iter(range(10**9))
-
-            def pick(held: list):
-                return held[next(turn) % len(held)]
-
-            paths = {
-                "int8 kvserve": lambda: pick(int8)(x),
-                "int8 fbgemm": lambda: torch.ops.quantized.linear_dynamic(x, pick(fbgemm), True),
-                "fp32 panels": lambda: kernels.linear_packed(x, pick(panels), n),
-            }
-            if bf16:
-                paths["bf16 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(xb, pick(bf16), None, "none", [], "")
-            times = {name: best_ms(fn) for name, fn in paths.items()}
+            times = time_paths(kernels, torch.randn(m, k), n, int8, fbgemm, panels, bf16)
             print(f"{k}x{n:<6} rows {m:>4}: " + "  ".join(f"{name} {ms:7.3f}" for name, ms in times.items()))
             layers = 1 if n > 10_000 else LAYERS
             for name, ms in times.items():
                 totals[(m, name)] = totals.get((m, name), 0.0) + layers * ms
     for m in rows:
-        print(f"step total, rows {m:>4}: " + "  ".join(f"{name} {ms:7.2f}" for (r, name), ms in totals.items() if r == m))
+        step = [f"{name} {ms:7.2f}" for (r, name), ms in totals.items() if r == m]
+        print(f"step total, rows {m:>4}: " + "  ".join(step))
 
 
 if __name__ == "__main__":
