@@ -118,8 +118,8 @@ struct PanelEpilogue {
 };
 
 // y[0..ncols) = (acc - kOffset * colsum) * (row_scale * scale) (+ bias) for vector v of one row of one panel (its
-// channels v * kW ..; ncols counts from the panel's start). The accumulators come by value: an accumulator array
-// whose address escapes would be kept in memory by the compiler, with a load and a store per dot step.
+// channels v * kW ..; ncols counts from the panel's start). The accumulator comes by value, so the tiles' arrays
+// never have their address taken (see the note on the tiles below).
 template <typename TO>
 inline void finish_vec(vi a, int v, float row_scale, const PanelEpilogue& e, TO* y, int ncols) {
   const int c0 = v * kW;
