@@ -322,3 +322,24 @@ def test_speculative_server_matches_and_reports_metrics(tiny_model_factory):
         assert spec.metric("kvserve:spec_decode_mean_acceptance_length") >= 1.0
     finally:
         assert spec.stop() == 0
+
+
+def test_int8_server_matches_offline_int8(model_path):
+    """`--quantization int8` through the server (engine core in its own process): the same greedy text as the
+    offline LLM with int8 (per-token activation quantization keeps each request independent of its batch-mates)."""
+    prompts = ["Hello there", "The quick brown fox"]
+    llm = LLM(model_path, dtype="float32", max_model_len=MAX_MODEL_LEN, quantization="int8")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    offline = llm.generate(prompts, params, use_tqdm=False)
+    # the test can tell: on this model int8's greedy text differs from fp32's
+    fp32 = LLM(model_path, dtype="float32", max_model_len=MAX_MODEL_LEN).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].text for o in offline] != [o.outputs[0].text for o in fp32]
+    srv = Server(model_path, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--quantization", "int8")
+    try:
+        for prompt, ref in zip(prompts, offline, strict=True):
+            got = srv.client().completions.create(
+                model=model_path, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+            )
+            assert got.choices[0].text == ref.outputs[0].text
+    finally:
+        assert srv.stop() == 0, srv.log()
