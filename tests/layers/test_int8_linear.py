@@ -110,18 +110,20 @@ def test_kernel_quantization_matches_the_torch_reference(dtype):
     x = (torch.randn(11, 192) * torch.linspace(0.01, 100, 11)[:, None]).to(dtype)
     x[3] = 0.0
     x[5, 7] = float("inf")
+    x[6, 9] = float("nan")
     for signs, k in ((rotation_signs(), 192), (None, 40)):
         xi = x[:, :k]
         q, scale = kernels.int8_quantize_rows(xi, signs)
         want_q, want_scale = quantize_rows(xi, rotate=signs is not None)
         xf = xi.double() @ _hadamard_rotation(k) if signs is not None else xi.double()
-        assert torch.allclose(want_scale.double()[[0, 1, 2, 4]], xf.abs().amax(1)[[0, 1, 2, 4]] / 127, rtol=1e-6)
+        assert torch.allclose(want_scale.double()[[0, 1, 2, 4, 7]], xf.abs().amax(1)[[0, 1, 2, 4, 7]] / 127, rtol=1e-6)
         # the FWHT and torch's matmul round differently: a code may sit one step off at a rounding boundary
         assert (q.int() - want_q.int()).abs().max() <= 1 and (q != want_q).float().mean() < 0.01
         finite = torch.isfinite(want_scale)
         assert torch.allclose(scale[finite], want_scale[finite], rtol=1e-6)
         assert scale[3] == 0 and not q[3].any()  # an all-zero row
-        assert scale[5].isnan() and want_scale[5].isnan()  # inf must not pass as a number
+        assert scale[5].isnan() and want_scale[5].isnan()  # inf and nan must not pass as numbers
+        assert scale[6].isnan() and want_scale[6].isnan()
         assert q.abs().max() <= 127
     # strided rows (a view into a wider tensor) are read in place
     wide = torch.randn(5, 256).to(dtype)

@@ -104,16 +104,19 @@ inline void fwht_block(vf* v) {
 }
 
 // One row into `o` [dim] fp32: (x * signs) H_64 per block of 64 features, without H_64's factor 1/8 (or x itself
-// when signs is null); returns max |o|.
+// when signs is null); returns max |o|, or nan if the row holds a nan or an inf (a max alone drops nans).
 template <typename T>
 inline float rotate_row(const T* xr, const vf* s, float* o, int64_t dim) {
   if (s == nullptr) {
     load_row(xr, o, static_cast<int>(dim));
-    float m = 0.0f;
-    for (int64_t i = 0; i < dim; ++i) m = std::max(m, std::abs(o[i]));
-    return m;
+    float m = 0.0f, zero = 0.0f;
+    for (int64_t i = 0; i < dim; ++i) {
+      m = std::max(m, std::abs(o[i]));
+      zero += o[i] * 0.0f;  // stays 0 unless some o[i] is nan or inf
+    }
+    return zero == 0.0f ? m : std::numeric_limits<float>::quiet_NaN();
   }
-  vf vmx = vzero();
+  vf vmx = vzero(), vzero_sum = vzero();
   for (int64_t b = 0; b < dim; b += kBlock) {
     vf v[kVecs];
     for (int k = 0; k < kVecs; ++k) v[k] = vmul(vload(xr + b + k * kW), s[k]);
@@ -121,9 +124,10 @@ inline float rotate_row(const T* xr, const vf* s, float* o, int64_t dim) {
     for (int k = 0; k < kVecs; ++k) {
       vstore(o + b + k * kW, v[k]);
       vmx = vmax(vmx, vmax(v[k], vsub(vzero(), v[k])));
+      vzero_sum = vfma(v[k], vzero(), vzero_sum);
     }
   }
-  return vmax_all(vmx);
+  return vsum(vzero_sum) == 0.0f ? vmax_all(vmx) : std::numeric_limits<float>::quiet_NaN();
 }
 
 // q[i] = round(v[i] * inv) (to nearest even; |v[i] * inv| <= 127), XOR 0x80 when `flip` (= q + 128 as a uint8).
@@ -162,7 +166,7 @@ void quantize_rows(const T* x, int64_t x_stride, const float* signs, int8_t* q, 
     for (int64_t row = begin; row < end; ++row) {
       const float m = rotate_row(x + row * x_stride, signs != nullptr ? s : nullptr, buf.data(), dim);
       int8_t* qr = q + row * q_stride;
-      if (!(m > 0.0f) || !std::isfinite(m)) {  // all zeros; or inf/nan, which must not pass as a number
+      if (!(m > 0.0f) || !std::isfinite(m)) {  // all zeros; or a nan/inf, which must not pass as a number
         std::fill(qr, qr + dim, static_cast<int8_t>(flip ? 0x80 : 0));
         q_scale[row] = m == 0.0f ? 0.0f : std::numeric_limits<float>::quiet_NaN();
         continue;
