@@ -134,7 +134,13 @@ class Scheduler:
             self._free_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting or self.loading or self._saving)
+        return bool(
+            self.running
+            or self.waiting
+            or self.loading
+            or self._saving
+            or (self.connector is not None and self.connector.has_pending_work())
+        )
 
     @property
     def num_unfinished_requests(self) -> int:

@@ -97,6 +97,11 @@ class KVConnectorScheduler(ABC):
         request in `finished_saving` (an asynchronous save still reads them)."""
         return False
 
+    def has_pending_work(self) -> bool:
+        """True while work the worker side has started still awaits its report (the engine keeps stepping, idle
+        steps included, until it arrives, so a finished workload leaves every tier's index complete)."""
+        return False
+
     def stats(self) -> dict[str, float]:
         """Cumulative counters for LLM.stats() and /metrics."""
         return {}

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 
 import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv_transfer.base import KVConnectorOutput
 from kvserve.kv_transfer.factory import register_connector
+from kvserve.kv_transfer.offload import disk_format
 from kvserve.kv_transfer.offload.worker import OffloadConnectorWorker
 from tests.conftest import assert_all_blocks_free
 
@@ -165,6 +167,27 @@ def test_disk_tier_survives_a_restart_and_bad_files_are_misses(model_path, refer
     assert any("is a miss" in r.message for r in caplog.records)
     third.engine.engine_core.shutdown()
     assert_clean(third)
+
+
+def test_a_workload_ends_with_its_disk_writes_reported_even_failed_ones(model_path, reference, tmp_path, monkeypatch):
+    """generate() returns once every queued disk write is reported (the index then matches the files); a write
+    that fails is reported too, so the engine does not wait for it forever."""
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk_format, "write_block", no_room)
+    llm = LLM(model_path, kv_transfer_config=offload(tmp_path), **ENGINE)
+    result: list = []
+    # A thread with a deadline: an engine waiting forever for a lost report must fail the test, not hang it.
+    worker = threading.Thread(target=lambda: result.append(run(llm, conversations())), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert result == [reference], "the workload did not end"
+    connector = llm.engine.engine_core.scheduler.connector
+    assert not connector.has_pending_work() and not llm.engine.has_unfinished_requests()
+    assert llm.stats()["kv_transfer"]["disk_blocks"] == 0
+    assert_clean(llm)
 
 
 SWAP_ENGINE = dict(dtype="float32", max_model_len=256, block_size=8, num_kv_blocks=14, max_num_seqs=8)

@@ -47,6 +47,7 @@ class OffloadReport:
     """The worker side's connector-specific report."""
 
     disk_written: list[BlockHash] = field(default_factory=list)
+    disk_write_failed: list[BlockHash] = field(default_factory=list)  # not on disk: may be written again later
     disk_bad: list[BlockHash] = field(default_factory=list)  # failed to load: drop from the index
     counters: dict[str, float] = field(default_factory=dict)  # increments of the worker's counters
 
@@ -210,6 +211,8 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         for block_hash in report.disk_bad:
             if self.disk is not None:
                 self.disk.remove(block_hash)
+        for block_hash in report.disk_write_failed:
+            self._disk_pending.discard(block_hash)
         if self.disk is not None:
             for block_hash in report.disk_written:
                 self._disk_pending.discard(block_hash)
@@ -238,6 +241,9 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         self._block_ids.pop(request.request_id, None)
         self._num_saved.pop(request.request_id, None)
         return False
+
+    def has_pending_work(self) -> bool:
+        return bool(self._disk_pending)
 
     def stats(self) -> dict[str, float]:
         out = dict(self.counters)

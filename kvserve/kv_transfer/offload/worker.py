@@ -127,17 +127,18 @@ class OffloadConnectorWorker(KVConnectorWorker):
         self._count("ram_saved_bytes", len(saves) * self.info.block_bytes)
         self._count("save_time_s", time.perf_counter() - start)
 
-    def _write(self, block_hash: bytes, payload: memoryview) -> bytes | None:
+    def _write(self, block_hash: bytes, payload: memoryview) -> tuple[bytes, bool]:
+        """Runs on the I/O thread. Returns (the block's hash, whether its file was written)."""
         assert self.dir is not None
         start = time.perf_counter()
         try:
             disk_format.write_block(os.path.join(self.dir, disk_format.file_name(block_hash)), self._digest, payload)
         except OSError as e:
             logger.warning("KV disk tier: cannot write a block (%s)", e)
-            return None
+            return block_hash, False
         self._count("disk_saved_bytes", len(payload))
         self._count("disk_write_time_s", time.perf_counter() - start)
-        return block_hash
+        return block_hash, True
 
     def _delete(self, hashes: list[bytes]) -> None:
         assert self.dir is not None
@@ -150,8 +151,11 @@ class OffloadConnectorWorker(KVConnectorWorker):
     # ------------------------------------------------------------------ report
 
     def get_finished(self, idle: bool) -> KVConnectorOutput:
-        if idle and self._disk_loads and not self._finished:
-            wait(list(self._disk_loads.values()), timeout=_IDLE_WAIT_S, return_when="FIRST_COMPLETED")
+        if idle and (self._disk_loads or self._writes) and not self._finished:
+            # Idle steps run only for the I/O thread's results (the scheduler waits for both): wait a little for
+            # one rather than spin.
+            in_flight = [*self._disk_loads.values(), *self._writes]
+            wait(in_flight, timeout=_IDLE_WAIT_S, return_when="FIRST_COMPLETED")
         out = KVConnectorOutput(finished_loading=self._finished, report=OffloadReport())
         self._finished = set()
         for req_id, future in list(self._disk_loads.items()):
@@ -168,8 +172,9 @@ class OffloadConnectorWorker(KVConnectorWorker):
         for future in self._writes:
             if not future.done():
                 still.append(future)
-            elif (block_hash := future.result()) is not None:
-                out.report.disk_written.append(block_hash)
+            else:
+                block_hash, written = future.result()
+                (out.report.disk_written if written else out.report.disk_write_failed).append(block_hash)
         self._writes = still
         with self._lock:
             out.report.counters, self._counters = self._counters, {}
