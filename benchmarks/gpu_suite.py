@@ -6,8 +6,9 @@
 
 Stages:
 - env:        the GPU, library versions, and the measured device-to-device copy bandwidth (bytes read + written).
-- tests:      the Triton kernel tests and the engine tests on the Triton backend, on CUDA (pytest; CUDA graphs
-              captured for real), with a synthetic tokenizer (KVSERVE_TEST_TOKENIZER=synthetic).
+- tests:      the Triton kernel tests and the engine tests on the Triton backend (swap, offload tiers, draft-model
+              and EAGLE speculation included), on CUDA (pytest; CUDA graphs captured for real), with a synthetic
+              tokenizer (KVSERVE_TEST_TOKENIZER=synthetic).
 - parity:     greedy tokens of kvserve vs HF transformers, both on the GPU, on the tiny random models of
               tests/conftest.py: fp32 must be token-identical (CUDA graphs on and off); bf16 reports the first
               divergent position per prompt.
@@ -44,7 +45,11 @@ import torch  # noqa: E402
 
 STAGES = ("env", "tests", "parity", "roofline", "throughput")
 GROUPS = {"correctness": ("env", "tests", "parity"), "perf": ("env", "roofline", "throughput")}
-KERNEL_TESTS = ["tests/attention/test_triton_attention.py", "tests/models/test_triton_engine.py"]
+KERNEL_TESTS = [
+    "tests/attention/test_triton_attention.py",
+    "tests/models/test_triton_engine.py",
+    "tests/spec_decode/test_triton_proposers.py",
+]
 GPU_PARTS_TESTS = ["tests/worker/test_gpu_parts.py"]
 
 

@@ -282,10 +282,6 @@ class EngineArgs:
             unsupported.append("tensor_parallel_size > 1 (no NCCL communicator yet)")
         if model.quantization is not None:
             unsupported.append(f"quantization {model.quantization} (CPU int8 kernels)")
-        if self.kv_transfer_config is not None or self.preemption_mode == "swap":
-            unsupported.append("kv_transfer_config and preemption_mode='swap'")
-        if speculative is not None and speculative.method != "ngram":
-            unsupported.append(f"speculative method {speculative.method}")
         if self.attention_backend in ("cpu", "torch"):
             unsupported.append(f"attention_backend {self.attention_backend} (CPU backends)")
         if unsupported:

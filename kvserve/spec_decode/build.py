@@ -16,13 +16,14 @@ def build_proposer(
     config: SpeculativeConfig,
     target: LlamaForCausalLM,
     backend: AttentionBackend,
-    num_blocks: int,
     block_size: int,
     dtype: torch.dtype,
     max_model_len: int,
     generator: torch.Generator,
+    device: torch.device,
 ) -> Proposer | ModelProposer:
-    """`num_blocks`/`block_size`: the target's KV pool, which a model proposer's own pool mirrors."""
+    """`block_size`: the target's KV pool's; a model proposer's own pool mirrors that pool's blocks, and is
+    allocated when it is sized (ModelProposer.allocate_kv_cache)."""
     k = config.num_speculative_tokens
     if config.method == "ngram":
         return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
@@ -30,7 +31,7 @@ def build_proposer(
     if config.method == "draft_model":
         from kvserve.spec_decode.draft_model import DraftModelProposer
 
-        return DraftModelProposer(config.draft, k, num_blocks, block_size, max_model_len, generator)
+        return DraftModelProposer(config.draft, k, block_size, max_model_len, generator)
     from kvserve.spec_decode.eagle import EagleProposer
 
-    return EagleProposer(config.draft.path, target, backend, k, num_blocks, block_size, dtype, max_model_len, generator)
+    return EagleProposer(config.draft.path, target, backend, k, block_size, dtype, max_model_len, generator, device)

@@ -20,25 +20,33 @@ class DraftModelProposer(ModelProposer):
         self,
         draft_config: ModelConfig,
         num_speculative_tokens: int,
-        num_blocks: int,
         block_size: int,
         max_model_len: int,
         generator: torch.Generator,
     ) -> None:
         arch = draft_config.arch
         dtype = getattr(torch, draft_config.dtype)
-        backend = get_attn_backend(arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, dtype)
+        # The draft config carries the target's device and attention backend choice (draft_model_config).
+        device = torch.device(draft_config.device)
+        backend = get_attn_backend(
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            arch.head_dim,
+            dtype,
+            device,
+            draft_config.attention_backend,
+        )
         self.model = load_model(draft_config, backend)
         super().__init__(
             num_speculative_tokens,
             backend,
             arch.num_hidden_layers,
-            num_blocks,
             block_size,
             dtype,
             arch.vocab_size,
             max_model_len,
             generator,
+            device,
         )
 
     @property
@@ -48,11 +56,11 @@ class DraftModelProposer(ModelProposer):
     def mirror(self, step: DraftStepInputs, last_rows: np.ndarray) -> tuple[None, None]:
         # Only the KV is wanted: the last position's logits would predict the token the target already emitted.
         md = self.backend.build_metadata(step.attn_inputs)
-        self.model(torch.from_numpy(step.input_ids), torch.from_numpy(step.positions), self.kv_caches, md)
+        self.model(self.to_device(step.input_ids), self.to_device(step.positions), self.kv_caches, md)
         return None, None
 
     def decode(
         self, token_ids: torch.Tensor, positions: np.ndarray, attn_metadata: object, features: torch.Tensor | None
     ) -> tuple[torch.Tensor, None]:
-        hidden = self.model(token_ids, torch.from_numpy(positions), self.kv_caches, attn_metadata)
+        hidden = self.model(token_ids, self.to_device(positions), self.kv_caches, attn_metadata)
         return self.model.compute_logits(hidden), None

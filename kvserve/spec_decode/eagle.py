@@ -82,14 +82,18 @@ def iterate_head_checkpoint(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from torch.load(path, map_location="cpu", weights_only=True).items()
 
 
-def load_eagle_head(folder: str, cfg: ArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> EagleHead:
+def load_eagle_head(
+    folder: str, cfg: ArchConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> EagleHead:
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"EAGLE head folder {folder} does not exist")
     names = {name for name, _ in iterate_head_checkpoint(folder)}
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        head = EagleHead(cfg, backend, dtype, fc_bias="fc.bias" in names)
+        # Built on its device, like the target (each op picks its implementation from the default device).
+        with torch.device(device):
+            head = EagleHead(cfg, backend, dtype, fc_bias="fc.bias" in names)
     finally:
         torch.set_default_dtype(prev)
     head.load_weights(iterate_head_checkpoint(folder))
@@ -108,18 +112,26 @@ class EagleProposer(ModelProposer):
         target: LlamaForCausalLM,
         backend: AttentionBackend,
         num_speculative_tokens: int,
-        num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
         max_model_len: int,
         generator: torch.Generator,
+        device: torch.device,
     ) -> None:
         cfg = target.config
-        self.head = load_eagle_head(head_dir, cfg, backend, dtype)
+        self.head = load_eagle_head(head_dir, cfg, backend, dtype, device)
         self.target = target
         # The head has the target's attention shape, so the target's backend and step metadata serve it too.
         super().__init__(
-            num_speculative_tokens, backend, 1, num_blocks, block_size, dtype, cfg.vocab_size, max_model_len, generator
+            num_speculative_tokens,
+            backend,
+            1,
+            block_size,
+            dtype,
+            cfg.vocab_size,
+            max_model_len,
+            generator,
+            device,
         )
 
     @property
@@ -132,10 +144,12 @@ class EagleProposer(ModelProposer):
         # Position i takes token i + 1: the next prompt token, or (after verification) the emitted one. Past a
         # request's last accepted position these are stale drafts; those positions are overwritten later.
         next_ids = batch.token_ids[token_rows, np.minimum(step.positions + 1, batch.max_model_len - 1)]
-        embeds = self.target.model.embed_tokens(torch.from_numpy(next_ids))
+        embeds = self.target.model.embed_tokens(self.to_device(next_ids))
         features = self.target.model.norm(step.hidden)
-        out = self.head(embeds, features, torch.from_numpy(step.positions), self.kv_caches[0], step.attn_metadata)
-        last = out[torch.from_numpy(last_rows)]
+        # A step replayed from a CUDA graph has its metadata in the graph's buffers only: build the eager one.
+        md = step.attn_metadata if step.attn_metadata is not None else self.backend.build_metadata(step.attn_inputs)
+        out = self.head(embeds, features, self.to_device(step.positions), self.kv_caches[0], md)
+        last = out[self.to_device(last_rows)]
         return self._logits(last), last
 
     def decode(
@@ -143,7 +157,7 @@ class EagleProposer(ModelProposer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert features is not None
         embeds = self.target.model.embed_tokens(token_ids)
-        out = self.head(embeds, features, torch.from_numpy(positions), self.kv_caches[0], attn_metadata)
+        out = self.head(embeds, features, self.to_device(positions), self.kv_caches[0], attn_metadata)
         return self._logits(out), out
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:

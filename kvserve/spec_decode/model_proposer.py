@@ -14,6 +14,9 @@ cache and preemption unaware of the draft:
   request for them; a request without room (max_model_len, or no lookahead allocated) gets fewer drafts
   instead of writing outside its blocks.
 
+Device: the pool, the model, the draws and q live on the target's device (inputs are built in numpy and copied
+over, as in the runner); only the drafted token ids come back to the host, once per draft step.
+
 Draws: a greedy request drafts the argmax (a one-hot q suffices, since its p is one-hot too). A sampling request
 draws the draft token from q = the draft's distribution after the request's temperature, min-p, top-k and top-p,
 and q is kept for the rejection sampler, which then makes the output distribution exactly the target's. Its
@@ -33,7 +36,7 @@ import xxhash
 from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
 from kvserve.sample.sampler import Sampler, SamplingMetadata
 from kvserve.worker.input_batch import InputBatch, RequestState
-from kvserve.worker.kv_cache import allocate_kv_cache
+from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from kvserve.worker.sampling_inputs import build_sampling_metadata
 
 _KEY_RANGE = 1 << 62
@@ -71,24 +74,36 @@ class ModelProposer(ABC):
         num_speculative_tokens: int,
         backend: AttentionBackend,
         num_layers: int,
-        num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
         vocab_size: int,
         max_model_len: int,
         generator: torch.Generator,
+        device: torch.device,
     ) -> None:
         self.k = num_speculative_tokens
+        self.device = device
         self.backend = backend
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.generator = generator
-        self.sampler = Sampler()
-        # NOTE: the same block count as the target's pool, in the draft's own shape (module docstring).
-        self.kv_caches: list[KVCache] = allocate_kv_cache(backend, num_blocks, block_size, num_layers, dtype, "cpu")
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.sampler = Sampler(device)
+        self.kv_caches: list[KVCache] = []  # allocate_kv_cache, once the target's pool is sized
         # q of each request's pending drafts, until the step that verifies them (or the request leaves).
         self._pending: dict[str, tuple[list[int], torch.Tensor]] = {}
+
+    def bytes_per_block(self) -> int:
+        """What one block of the proposer's pool takes: the target's KV budget pays for both pools."""
+        return bytes_per_block(self.backend, self.block_size, self.num_layers, self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        # NOTE: the same block count as the target's pool, in the draft's own shape (module docstring).
+        self.kv_caches = allocate_kv_cache(
+            self.backend, num_blocks, self.block_size, self.num_layers, self.dtype, self.device
+        )
 
     # ------------------------------------------------------------------ subclass hooks
 
@@ -127,22 +142,22 @@ class ModelProposer(ABC):
         capacity = np.minimum(batch.num_blocks[rows] * self.block_size, self.max_model_len)
 
         logits, features = self.mirror(step, last_rows)
-        sampling = _DraftSampling(states, batch, self.vocab_size, self.generator)
+        sampling = _DraftSampling(states, batch, self.vocab_size, self.generator, self.device)
         drafts = np.zeros((num_s, self.k), dtype=np.int64)
         num_drafts = np.zeros(num_s, dtype=np.int64)
-        probs = torch.zeros(num_s, self.k, self.vocab_size) if sampling.any_random else None
+        probs = torch.zeros(num_s, self.k, self.vocab_size, device=self.device) if sampling.any_random else None
         active = np.arange(num_s)
         if logits is not None:
             tokens = self._draw(sampling, logits, active, batch.num_tokens[rows], drafts, num_drafts, probs)
         else:
-            tokens = torch.from_numpy(batch.token_ids[rows, next_pos])
+            tokens = self.to_device(batch.token_ids[rows, next_pos])
         pos = next_pos
         while int(num_drafts.max(initial=0)) < self.k and len(active):
             # Only requests with a KV slot for this position take part; positions only grow, so a request
             # that drops out stays out.
             keep = pos[active] < capacity[active]
             if not keep.all():
-                kept = torch.from_numpy(keep)
+                kept = self.to_device(keep)
                 active, tokens = active[keep], tokens[kept]
                 features = None if features is None else features[kept]
             if not len(active):
@@ -156,7 +171,7 @@ class ModelProposer(ABC):
             pos = pos + 1
             done = num_drafts[active] < self.k
             if not done.all():
-                kept = torch.from_numpy(done)
+                kept = self.to_device(done)
                 active, tokens = active[done], tokens[kept]
                 features = None if features is None else features[kept]
 
@@ -177,7 +192,7 @@ class ModelProposer(ABC):
         found = [self._pending.pop(r, None) for r in req_ids]
         if all(f is None for f in found):
             return None
-        out = torch.zeros(len(req_ids), draft_ids.shape[1], self.vocab_size)
+        out = torch.zeros(len(req_ids), draft_ids.shape[1], self.vocab_size, device=self.device)
         for i, f in enumerate(found):
             if f is None:
                 continue
@@ -192,6 +207,11 @@ class ModelProposer(ABC):
         self._pending.pop(req_id, None)
 
     # ------------------------------------------------------------------ helpers
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A numpy array as a tensor on the proposer's device (on the CPU, the same memory)."""
+        t = torch.from_numpy(array)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     def _decode_inputs(self, batch: InputBatch, rows: np.ndarray, positions: np.ndarray) -> AttentionInputs:
         block_table = batch.block_table[rows]
@@ -220,13 +240,12 @@ class ModelProposer(ABC):
             random_rows = np.flatnonzero(~sampling.greedy[active])
             if len(random_rows):
                 sel = active[random_rows]
-                transformed = self.sampler.apply_transforms(logits[random_rows], sampling.metadata(sel))
-                keys = sampling.keys(sel, token_index[random_rows])
-                tokens[random_rows] = self.sampler.gumbel(transformed, keys)
-                probs[torch.from_numpy(sel), torch.from_numpy(num_drafts[sel])] = torch.softmax(
-                    transformed.float(), dim=-1
-                )
-        drafts[active, num_drafts[active]] = tokens.numpy()
+                rows_t = self.to_device(random_rows)
+                transformed = self.sampler.apply_transforms(logits[rows_t], sampling.metadata(sel))
+                keys = sampling.keys(sel, token_index[random_rows]).to(self.device)
+                tokens[rows_t] = self.sampler.gumbel(transformed, keys)
+                probs[self.to_device(sel), self.to_device(num_drafts[sel])] = torch.softmax(transformed.float(), dim=-1)
+        drafts[active, num_drafts[active]] = tokens.cpu().numpy()
         num_drafts[active] += 1
         return tokens
 
@@ -235,18 +254,26 @@ class _DraftSampling:
     """The sampling requests' transforms (temperature, min-p, top-k, top-p) and draft noise keys."""
 
     def __init__(
-        self, states: list[RequestState], batch: InputBatch, vocab_size: int, generator: torch.Generator
+        self,
+        states: list[RequestState],
+        batch: InputBatch,
+        vocab_size: int,
+        generator: torch.Generator,
+        device: torch.device,
     ) -> None:
         self.greedy = np.array([s.sampling_params.greedy for s in states], dtype=bool)
         self.any_random = bool((~self.greedy).any())
         self.seeds = [s.sampling_params.seed for s in states]
         self.generator = generator
-        self._md = build_sampling_metadata(states, batch, vocab_size, generator) if self.any_random else None
+        self.device = device
+        self._md = (
+            build_sampling_metadata(states, batch, vocab_size, generator, device=device) if self.any_random else None
+        )
 
     def metadata(self, sel: np.ndarray) -> SamplingMetadata:
         md = self._md
         assert md is not None and md.temperature is not None
-        t = torch.from_numpy(sel)
+        t = torch.from_numpy(sel).to(self.device)
 
         def pick(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x[t]
@@ -260,6 +287,7 @@ class _DraftSampling:
         )
 
     def keys(self, sel: np.ndarray, token_index: np.ndarray) -> torch.Tensor:
+        """[len(sel)] int64 noise keys, on the CPU (the generator's device)."""
         keys = torch.randint(0, _KEY_RANGE, (len(sel),), generator=self.generator)
         for j, (i, pos) in enumerate(zip(sel.tolist(), token_index.tolist(), strict=True)):
             seed = self.seeds[i]

@@ -40,18 +40,24 @@ def available_memory() -> int:
 
 
 def num_blocks_for(
-    cache_config: CacheConfig, backend: AttentionBackend, num_layers: int, dtype: torch.dtype, num_ranks: int = 1
+    cache_config: CacheConfig,
+    backend: AttentionBackend,
+    num_layers: int,
+    dtype: torch.dtype,
+    num_ranks: int = 1,
+    extra_bytes_per_block: int = 0,
 ) -> int:
     """Blocks of `backend`'s layout that fit the budget; with `num_ranks` tensor-parallel ranks each holds its
     heads' share of every block and gets 1/num_ranks of the budget, so TP changes neither the memory used nor (with
-    the heads split evenly) the number of blocks."""
+    the heads split evenly) the number of blocks. `extra_bytes_per_block`: what another pool of the same block
+    count (a draft model's) costs per block, paid from the same budget."""
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
     budget = cache_config.kv_cache_memory
     if budget is None:
         budget = min(int(available_memory() * _DEFAULT_FRACTION), _DEFAULT_CAP)
     budget //= num_ranks
-    per_block = bytes_per_block(backend, cache_config.block_size, num_layers, dtype)
+    per_block = bytes_per_block(backend, cache_config.block_size, num_layers, dtype) + extra_bytes_per_block
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory={budget} bytes holds no block of {per_block} bytes; raise kv_cache_memory")

@@ -152,9 +152,20 @@ class ModelRunner:
         self.kv_transfer: KVTransfer | None = None  # with the KV cache (initialize_kv_cache)
         self.num_blocks = 0
         self.kv_caches: list[KVCache] = []
-        self._spec_config = spec_config
-        # The proposer (a model proposer's KV pool mirrors the target's blocks) comes with the KV cache.
+        # Built before the pool is sized: a draft model's weights then count in a GPU memory profile, and its own
+        # KV pool (the target's block count, allocated with the target's) in the bytes each block costs.
         self.proposer: Proposer | ModelProposer | None = None
+        if spec_config is not None:
+            self.proposer = build_proposer(
+                spec_config,
+                self.model,
+                self.attn_backend,
+                self.block_size,
+                self.dtype,
+                model_config.max_model_len,
+                self.generator,
+                self.device,
+            )
         self.spec_policy = SpecDecodePolicy(spec_config) if spec_config is not None else None
         self._prefault_stop = threading.Event()
         self._prefault_thread: threading.Thread | None = None
@@ -168,7 +179,13 @@ class ModelRunner:
         cache = self.cache_config
         if self.on_gpu and cache.num_kv_blocks is None and cache.kv_cache_memory is None:
             return self._profile_num_kv_blocks()
-        return num_blocks_for(cache, self.attn_backend, arch.num_hidden_layers, self.dtype, self.tp_size)
+        return num_blocks_for(
+            cache, self.attn_backend, arch.num_hidden_layers, self.dtype, self.tp_size, self._proposer_block_bytes()
+        )
+
+    def _proposer_block_bytes(self) -> int:
+        """What a model proposer's pool adds to each block (0 without one)."""
+        return self.proposer.bytes_per_block() if isinstance(self.proposer, ModelProposer) else 0
 
     def _profile_num_kv_blocks(self) -> int:
         assert self._memory_baseline is not None
@@ -177,8 +194,9 @@ class ModelRunner:
             lambda: self.dummy_run(sched.max_num_batched_tokens, sched.max_num_seqs), self.device, self._memory_baseline
         )
         util = self.cache_config.gpu_memory_utilization
-        per_block = bytes_per_block(
-            self.attn_backend, self.block_size, self.model_config.arch.num_hidden_layers, self.dtype
+        per_block = (
+            bytes_per_block(self.attn_backend, self.block_size, self.model_config.arch.num_hidden_layers, self.dtype)
+            + self._proposer_block_bytes()
         )
         num_blocks = num_blocks_from_profile(profile, util, per_block)
         logger.info("GPU memory: %s", profile.describe(util))
@@ -224,17 +242,8 @@ class ModelRunner:
         self.kv_transfer = KVTransfer(
             self.kv_caches, self.kv_connector_info, self.num_swap_blocks, self._kv_transfer_config
         )
-        if self._spec_config is not None:
-            self.proposer = build_proposer(
-                self._spec_config,
-                self.model,
-                self.attn_backend,
-                num_blocks,
-                self.block_size,
-                self.dtype,
-                self.model_config.max_model_len,
-                self.generator,
-            )
+        if isinstance(self.proposer, ModelProposer):
+            self.proposer.allocate_kv_cache(num_blocks)
         if self.cache_config.kv_prefault != "off":
             self.prefault_kv_cache(background=self.cache_config.kv_prefault == "background")
         if (

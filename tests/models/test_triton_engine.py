@@ -1,6 +1,7 @@
 """The whole engine on the Triton attention backend: greedy tokens equal HF transformers (fp32), through mixed
-prefill/decode batches, prefix-cache hits, chunked prefill after a cached prefix, preemption, and decode steps fed
-through the persistent buffers of the CUDA-graph path (padded batches).
+prefill/decode batches, prefix-cache hits, chunked prefill after a cached prefix, preemption (recompute and swap),
+the offload connector's RAM and disk tiers, and decode steps fed through the persistent buffers of the CUDA-graph
+path (padded batches).
 
 With a GPU this runs on it (CUDA graphs captured for real, and eager); without one, on the CPU with the kernels in
 Triton's interpreter, where the graph path runs its padded, buffer-fed steps eagerly (`capture=False`).
@@ -108,6 +109,34 @@ def test_greedy_matches_hf_through_decode_graph_buffers(model_and_references):
         assert o.outputs[0].token_ids == r[:n]
     assert any(n < size for n, size in replays)
     assert_all_blocks_free(llm)
+
+
+SMALL_POOL = dict(enforce_eager=True, block_size=8, num_kv_blocks=14, max_num_batched_tokens=32)
+
+
+def test_swap_preemption(model_and_references):
+    """Preempted requests' blocks go to the (pinned, on a GPU) swap space and come back, asynchronously on a GPU."""
+    path, prompts, refs = model_and_references
+    llm = make_llm(path, preemption_mode="swap", swap_space=1 << 20, **SMALL_POOL)
+    check(llm, prompts, refs)
+    stats = llm.stats()
+    assert stats["num_swapped_out"] > 0 and stats["num_swapped_in"] == stats["num_swapped_out"]
+    swap = llm.engine.engine_core.scheduler.swap
+    assert swap is not None and swap.num_free_blocks == swap.num_blocks
+
+
+def test_offload_tiers(model_and_references, tmp_path):
+    """Blocks evicted from the pool come back from the RAM tier; after a restart, from the disk tier (read on the
+    connector's I/O thread and copied to the pool's device there)."""
+    path, prompts, refs = model_and_references
+    config = {"kv_connector": "offload", "cpu_bytes": 1 << 20, "disk_path": str(tmp_path)}
+    first = make_llm(path, kv_transfer_config=config, **SMALL_POOL)
+    check(first, prompts, refs)
+    assert first.stats()["kv_transfer"]["ram_hit_blocks"] > 0
+    first.engine.engine_core.shutdown()  # lets the disk writes finish
+    second = make_llm(path, kv_transfer_config=config, **SMALL_POOL)
+    check(second, prompts, refs, rounds=1)
+    assert second.stats()["kv_transfer"]["disk_loaded_bytes"] > 0
 
 
 def test_dummy_weights_and_the_profiling_step(tiny_model_factory, tmp_path):

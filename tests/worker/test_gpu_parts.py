@@ -89,7 +89,6 @@ def test_device_and_dtype_resolution(monkeypatch):
     "options,message",
     [
         (dict(tensor_parallel_size=2), "tensor_parallel_size > 1"),
-        (dict(preemption_mode="swap"), "preemption_mode='swap'"),
         (dict(quantization="int8"), "quantization int8"),
         (dict(attention_backend="cpu"), "attention_backend cpu"),
     ],
@@ -99,6 +98,23 @@ def test_gpu_refuses_what_it_does_not_cover(tiny_model_factory, monkeypatch, opt
     args = EngineArgs(model=tiny_model_factory("llama-gqa-untied"), dtype="bfloat16", **options)
     with pytest.raises(ValueError, match=f"not supported on the GPU yet: .*{message}"):
         args.create_engine_config()
+
+
+def test_gpu_takes_swap_offload_and_model_speculation(tiny_model_factory, monkeypatch):
+    """Swap preemption, the offload connector and draft-model speculation are configured for a GPU as for the CPU
+    (tests/models/test_triton_engine.py runs them on the Triton backend)."""
+    monkeypatch.setattr(arg_utils, "resolve_device", lambda device: "cuda")
+    path = tiny_model_factory("llama-gqa-untied")
+    config = EngineArgs(
+        model=path,
+        dtype="bfloat16",
+        preemption_mode="swap",
+        kv_transfer_config={"kv_connector": "offload", "cpu_bytes": 1 << 20},
+        speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2},
+    ).create_engine_config()
+    assert config.model.device == "cuda" and config.kv_transfer is not None
+    assert config.speculative is not None and config.speculative.draft is not None
+    assert config.speculative.draft.device == "cuda"
 
 
 @pytest.mark.parametrize(

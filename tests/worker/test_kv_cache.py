@@ -68,6 +68,8 @@ def test_num_blocks_from_a_budget_uses_the_backends_block_size():
     per_block = bytes_per_block(backend(), 16, NUM_LAYERS, torch.bfloat16)
     config = CacheConfig(block_size=16, kv_cache_memory=10 * per_block + per_block // 2)
     assert num_blocks_for(config, backend(), NUM_LAYERS, torch.bfloat16) == 10
+    # A draft model's pool of the same block count is paid from the same budget.
+    assert num_blocks_for(config, backend(), NUM_LAYERS, torch.bfloat16, extra_bytes_per_block=per_block) == 5
 
 
 def test_blocks_view_is_the_pool_by_block_and_refuses_other_layouts():
