@@ -45,6 +45,10 @@ class SchedulerOutput:
     # req_id -> draft tokens to verify this step (they follow the request's known tokens; counted in
     # num_scheduled_tokens).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> most drafts worth proposing for the request after this step, where the adaptive rule gives fewer
+    # than num_speculative_tokens (absent: all of them). A draft model's steps cost time whether or not their
+    # drafts are verified, so its proposer drafts no more than this.
+    spec_draft_limits: dict[str, int] = field(default_factory=dict)
     # Swap preemption, as (device block id, swap block id) pairs: copied before this step's forward. A step
     # never has both (no admissions in a step that preempts), so their order does not matter.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)

@@ -277,6 +277,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
             scheduled_spec_decode_tokens=scheduled_spec,
+            spec_draft_limits=self._draft_limits(),
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
         )
@@ -300,6 +301,18 @@ class Scheduler:
                 plan[request.request_id] = n
                 budget -= n
         return plan
+
+    def _draft_limits(self) -> dict[str, int]:
+        """The adaptive rule's limit for each running request at its acceptance EMA so far and this step's batch
+        (the step's own verification may still move the EMA: a request recovering gets its full K one step
+        later), where it is below num_speculative_tokens."""
+        policy = self.spec_policy
+        if policy is None or not policy.config.adaptive:
+            return {}
+        k = policy.config.num_speculative_tokens
+        num_decodes = len(self.running)
+        limits = {r.request_id: policy.limit(r.spec_acceptance_ema, num_decodes) for r in self.running}
+        return {req_id: n for req_id, n in limits.items() if n < k}
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

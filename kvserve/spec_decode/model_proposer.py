@@ -57,6 +57,7 @@ class DraftStepInputs:
     attn_metadata: object  # the target backend's metadata for attn_inputs
     hidden: torch.Tensor  # [T, hidden] the target's last hidden states (pre final norm)
     sample_idx: np.ndarray  # [S] indices into the step's requests that emitted tokens this step
+    max_drafts: np.ndarray  # [S] most drafts to propose for each (0..K: the scheduler's adaptive limit)
 
 
 @dataclass
@@ -146,13 +147,22 @@ class ModelProposer(ABC):
         drafts = np.zeros((num_s, self.k), dtype=np.int64)
         num_drafts = np.zeros(num_s, dtype=np.int64)
         probs = torch.zeros(num_s, self.k, self.vocab_size, device=self.device) if sampling.any_random else None
-        active = np.arange(num_s)
+        limits = np.minimum(step.max_drafts, self.k)
+        active = np.flatnonzero(limits > 0)
         if logits is not None:
-            tokens = self._draw(sampling, logits, active, batch.num_tokens[rows], drafts, num_drafts, probs)
+            if len(active) < num_s:
+                picked = self.to_device(active)
+                logits, features = logits[picked], None if features is None else features[picked]
+            tokens = self._draw(sampling, logits, active, batch.num_tokens[rows[active]], drafts, num_drafts, probs)
+            done = num_drafts[active] < limits[active]
+            if not done.all():
+                kept = self.to_device(done)
+                active, tokens = active[done], tokens[kept]
+                features = None if features is None else features[kept]
         else:
-            tokens = self.to_device(batch.token_ids[rows, next_pos])
+            tokens = self.to_device(batch.token_ids[rows[active], next_pos[active]])
         pos = next_pos
-        while int(num_drafts.max(initial=0)) < self.k and len(active):
+        while len(active):
             # Only requests with a KV slot for this position take part; positions only grow, so a request
             # that drops out stays out.
             keep = pos[active] < capacity[active]
@@ -169,7 +179,7 @@ class ModelProposer(ABC):
                 sampling, logits, active, batch.num_tokens[rows[active]] + num_drafts[active], drafts, num_drafts, probs
             )
             pos = pos + 1
-            done = num_drafts[active] < self.k
+            done = num_drafts[active] < limits[active]
             if not done.all():
                 kept = self.to_device(done)
                 active, tokens = active[done], tokens[kept]

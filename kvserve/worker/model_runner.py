@@ -331,7 +331,7 @@ class ModelRunner:
         spec_token_ids = None
         if self.proposer is not None:
             with timer.phase("propose"):
-                spec_token_ids = self._propose(step, sampled_lists, hidden)
+                spec_token_ids = self._propose(step, hidden, so.spec_draft_limits)
         has_logprobs = any(x is not None for x in logprobs_lists)
         return ModelRunnerOutput(
             step.req_ids, sampled_lists, logprobs_lists if has_logprobs else None, spec_token_ids, kv_connector_output
@@ -381,7 +381,7 @@ class ModelRunner:
         if out.logprobs is not None:
             self._collect_logprobs(out, step.sample_idx, sample_states, num_logits, num_out, logprobs_lists)
 
-    def _propose(self, step: _StepInputs, sampled_lists: list[list[int]], hidden: torch.Tensor) -> list[list[int]]:
+    def _propose(self, step: _StepInputs, hidden: torch.Tensor, limits: dict[str, int]) -> list[list[int]]:
         assert self.proposer is not None
         drafts: list[list[int]] = [[] for _ in step.req_ids]
         if isinstance(self.proposer, ModelProposer):
@@ -390,6 +390,8 @@ class ModelRunner:
             # draft steps are skipped when the scheduler's rule will verify no drafts at this batch size.
             drafting = self.spec_policy.draft_token_budget(len(step.sample_idx)) > 0
             drafted_idx = step.sample_idx if drafting else step.sample_idx[:0]
+            k = self.proposer.k
+            max_drafts = np.array([limits.get(step.req_ids[i], k) for i in drafted_idx.tolist()], dtype=np.int64)
             proposal = self.proposer.propose(
                 DraftStepInputs(
                     self.batch,
@@ -402,6 +404,7 @@ class ModelRunner:
                     step.attn_metadata,
                     hidden,
                     drafted_idx,
+                    max_drafts,
                 )
             )
             for i, d in zip(drafted_idx.tolist(), proposal.drafts, strict=True):

@@ -196,3 +196,24 @@ def test_adaptive_budget_shrinks_with_the_batch_and_probes_bad_requests():
     assert policy.limit(0.5, 16) == K and policy.limit(0.4, 16) == 0 and policy.limit(0.1, 4) == 1
     off = SpecDecodePolicy(SpeculativeConfig("ngram", K, disable_by_batch_size=4))
     assert off.draft_token_budget(4) > 0 and off.draft_token_budget(5) == 0
+
+
+def test_draft_limits_tell_the_proposer_what_the_adaptive_rule_will_verify():
+    """Requests whose acceptance EMA earns fewer than K drafts are named with their limit (a probe of 1 at a small
+    batch), so a model proposer does not compute drafts that will not be verified; without the adaptive rule,
+    nothing is named."""
+    s = make_spec_scheduler(adaptive=True)
+    good, bad = make_request("good", list(range(1, 9))), make_request("bad", list(range(2, 10)))
+    for r in (good, bad):
+        s.add_request(r)
+    so = s.schedule()
+    assert so.spec_draft_limits == {}  # a new request's EMA starts at 1
+    runner = SpecFakeRunner()
+    s.update_from_output(so, runner.execute(so))
+    bad.spec_acceptance_ema = 0.05
+    so = s.schedule()
+    assert so.spec_draft_limits == {"bad": 1}
+    fixed = make_spec_scheduler(adaptive=False)
+    fixed.add_request(make_request("r", list(range(1, 9))))
+    fixed_so = fixed.schedule()
+    assert fixed_so.spec_draft_limits == {}

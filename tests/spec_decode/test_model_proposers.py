@@ -124,3 +124,24 @@ def test_seeded_sampling_reproducible(spec):
 def test_config_errors(target_path, config, match):
     with pytest.raises(ValueError, match=match):
         LLM(target_path, dtype="float32", max_model_len=64, speculative_config=config)
+
+
+def test_adaptive_limits_cut_the_draft_steps(target_path, eagle_head_path, plain):
+    """With the adaptive rule a request whose drafts keep failing (a random EAGLE head) is verified one probe
+    draft at a time, and the proposer drafts no more than that: each proposal stays within the scheduler's
+    limit, and most are single drafts."""
+    config = {"method": "eagle", "model": eagle_head_path, "num_speculative_tokens": K}
+    llm = LLM(target_path, dtype="float32", max_model_len=256, speculative_config=config)
+    proposer = llm.engine.engine_core.runner.proposer
+    seen: list[tuple[int, int]] = []
+    propose = proposer.propose
+
+    def recording(step):
+        proposal = propose(step)
+        seen.extend((len(d), int(m)) for d, m in zip(proposal.drafts, step.max_drafts, strict=True))
+        return proposal
+
+    proposer.propose = recording
+    assert_same_greedy(plain, llm, copy_prompts(3, 31), max_tokens=30)
+    assert all(n <= m for n, m in seen)
+    assert sum(m == 1 for _, m in seen) > len(seen) // 2, seen
