@@ -31,6 +31,7 @@
 #include <cstring>
 #include <utility>
 
+#include "panel_loops.h"
 #include "simd.h"
 
 void quantize_rows_int8(const at::Tensor& x, const float* signs, int8_t* q, int64_t q_stride, float* q_scale,
@@ -43,8 +44,6 @@ using namespace kvserve;
 constexpr int kNV = 2;         // vectors per panel row
 constexpr int kNP = kNV * kW;  // panel width: output channels per panel
 constexpr int kQ = 4;          // k values per int32 lane in one dot step
-
-inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline int32_t load_quad(const int8_t* x) {
   int32_t v;
@@ -209,28 +208,20 @@ void gemm_int8(const int8_t* xq, const float* row_scale, const int8_t* wp, const
   };
   if (M == 1) {
     constexpr int kGP = 4;  // panels per gemv call
-    at::parallel_for(0, num_panels, kGP, [&](int64_t p_begin, int64_t p_end) {
-      for (int64_t p = p_begin; p < p_end;) {
-        const int np = static_cast<int>(std::min<int64_t>(kGP, p_end - p));
-        const int ncols = static_cast<int>(std::min<int64_t>(np * kNP, N - p * kNP));
-        const int8_t* panels = wp + p * k4 * kNP * kQ;
-        if (np == kGP) {
-          gemv_panels<TO>(std::make_index_sequence<kGP>{}, xq, row_scale[0], panels, k4, epilogue(p), y + p * kNP,
-                          ncols);
-          p += kGP;
-        } else {
-          gemv_panels<TO>(std::make_index_sequence<1>{}, xq, row_scale[0], panels, k4, epilogue(p), y + p * kNP,
-                          std::min(ncols, kNP));
-          p += 1;
-        }
-      }
+    for_each_panel_group<kGP>(num_panels, N, kNP, [&](int64_t p, bool whole, int ncols) {
+      const int8_t* panels = wp + p * k4 * kNP * kQ;
+      if (whole)
+        gemv_panels<TO>(std::make_index_sequence<kGP>{}, xq, row_scale[0], panels, k4, epilogue(p), y + p * kNP,
+                        ncols);
+      else
+        gemv_panels<TO>(std::make_index_sequence<1>{}, xq, row_scale[0], panels, k4, epilogue(p), y + p * kNP,
+                        ncols);
     });
     return;
   }
-  // Input rows in blocks of at most ~256 KiB of int8 (they stay in L2 while the thread's panels pass); a panel
-  // (K x kNP bytes, 18-48 KiB here) stays in L1/L2 across the block's row tiles.
-  const int64_t mc_max = std::max<int64_t>(kMR, (256 << 10) / ldx / kMR * kMR);
-  const int64_t mc = std::min(M, cdiv(cdiv(M, cdiv(M, mc_max)), kMR) * kMR);
+  // Input rows in blocks (panel_loops.h); a panel (K x kNP bytes, 18-48 KiB here) stays in L1/L2 across the
+  // block's row tiles.
+  const int64_t mc = row_block_rows(M, ldx, kMR);
   at::parallel_for(0, num_panels, 1, [&](int64_t p_begin, int64_t p_end) {
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
       const int64_t mcur = std::min(mc, M - m0);

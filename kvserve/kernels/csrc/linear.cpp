@@ -18,6 +18,7 @@
 
 #include <algorithm>
 
+#include "panel_loops.h"
 #include "simd.h"
 
 namespace {
@@ -29,8 +30,6 @@ constexpr int kNP = kNV * kW;  // panel width: weight rows per panel
 // Row tile: kMR x kNV accumulators, kNV weight vectors and one broadcast must fit in the vector registers.
 constexpr int kMR = kNumVecRegs >= 32 ? 12 : 6;
 static_assert(kMR * kNV + kNV + 1 <= kNumVecRegs, "row tile does not fit in the vector registers");
-
-inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // y[0..MR)[0..ncols) (+)= x[0..MR)[0..kc) @ panel[0..kc)[0..ncols); x rows have stride ldx, y rows stride ldy.
 template <int MR, typename T>
@@ -104,15 +103,10 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
   const int64_t num_panels = cdiv(N, kNP);
   if (M == 1) {
     constexpr int kGP = 4;  // panels per gemv call
-    at::parallel_for(0, num_panels, kGP, [&](int64_t p_begin, int64_t p_end) {
-      for (int64_t p = p_begin; p < p_end;) {
-        const int np = static_cast<int>(std::min<int64_t>(kGP, p_end - p));
-        const int ncols = static_cast<int>(std::min<int64_t>(np * kNP, N - p * kNP));
-        const T* panels = wp + p * K * kNP;
-        if (np == kGP) gemv_panels<kGP>(x, panels, K, y + p * kNP, ncols);
-        else gemv_panels<1>(x, panels, K, y + p * kNP, std::min(ncols, kNP));
-        p += np == kGP ? kGP : 1;
-      }
+    for_each_panel_group<kGP>(num_panels, N, kNP, [&](int64_t p, bool whole, int ncols) {
+      const T* panels = wp + p * K * kNP;
+      if (whole) gemv_panels<kGP>(x, panels, K, y + p * kNP, ncols);
+      else gemv_panels<1>(x, panels, K, y + p * kNP, ncols);
     });
     return;
   }
@@ -120,8 +114,7 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
   // k in blocks of ~300 (a ~19 KiB weight sub-panel stays in L1 across the block's row tiles), except for a few
   // input rows, where each panel then streams front to back.
   const int64_t kc = M <= kMR ? K : cdiv(K, cdiv(K, 320));
-  const int64_t mc_max = std::max<int64_t>(kMR, (256 << 10) / (K * static_cast<int64_t>(sizeof(float))) / kMR * kMR);
-  const int64_t mc = std::min(M, cdiv(cdiv(M, cdiv(M, mc_max)), kMR) * kMR);
+  const int64_t mc = row_block_rows(M, K * static_cast<int64_t>(sizeof(float)), kMR);
   at::parallel_for(0, num_panels, 1, [&](int64_t p_begin, int64_t p_end) {
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
       const int64_t mcur = std::min(mc, M - m0);
