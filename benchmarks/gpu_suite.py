@@ -20,6 +20,10 @@ Stages:
 
 Every model is built from a config here: nothing is downloaded. Results go to $OUT/gpu_suite-<stages>.json (or
 ./gpu_suite-<stages>.json) and a summary table is printed last.
+
+`--smoke` runs the same stages on the CPU with tiny shapes and few requests (the tests stage is left to CI): not
+a measurement, but a check that the suite itself still runs, so that a session lent a GPU spends none of it on
+the script. CI runs it (tests/test_gpu_suite_smoke.py).
 """
 
 from __future__ import annotations
@@ -51,6 +55,27 @@ KERNEL_TESTS = [
     "tests/spec_decode/test_triton_proposers.py",
 ]
 GPU_PARTS_TESTS = ["tests/worker/test_gpu_parts.py"]
+DEVICE = "cuda"  # "cpu" with --smoke
+# --smoke: tiny stand-ins for the measured shapes (random weights, as there).
+_SMOKE_FIELDS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+SMOKE_SHAPES = {
+    "llama3-8b": dict(_SMOKE_FIELDS, model_type="llama", architectures=["LlamaForCausalLM"]),
+    "qwen3-0.6b": dict(_SMOKE_FIELDS, model_type="qwen3", architectures=["Qwen3ForCausalLM"]),
+}
 
 
 def log(msg: str) -> None:
@@ -61,17 +86,30 @@ def free_engine(llm) -> None:
     llm.shutdown()
     del llm
     gc.collect()
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def shape(name: str) -> str | dict:
+    """A model shape of kvserve.benchmarks.synthetic.SHAPES, or its tiny stand-in with --smoke."""
+    return SMOKE_SHAPES[name] if DEVICE == "cpu" else name
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     """Bytes/s of a device-to-device copy, counting bytes read plus bytes written (median of `iters`)."""
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    if DEVICE == "cpu":
+        nbytes = min(nbytes, 64 << 20)
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
     times = []
     for _ in range(iters):
+        if DEVICE == "cpu":
+            start_s = time.perf_counter()
+            y.copy_(x)
+            times.append(time.perf_counter() - start_s)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         y.copy_(x)
@@ -79,7 +117,8 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     del x, y
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return 2 * nbytes / statistics.median(times)
 
 
@@ -90,12 +129,18 @@ def stage_env(res: dict, args) -> None:
     import transformers
     import triton
 
-    props = torch.cuda.get_device_properties(0)
+    if DEVICE == "cpu":
+        device = {"gpu": "none: --smoke on the CPU", "memory_gib": 0, "sm": "-", "multiprocessors": os.cpu_count()}
+    else:
+        props = torch.cuda.get_device_properties(0)
+        device = {
+            "gpu": props.name,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "sm": f"{props.major}.{props.minor}",
+            "multiprocessors": props.multi_processor_count,
+        }
     res["env"] = {
-        "gpu": props.name,
-        "memory_gib": round(props.total_memory / 2**30, 1),
-        "sm": f"{props.major}.{props.minor}",
-        "multiprocessors": props.multi_processor_count,
+        **device,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "transformers": transformers.__version__,
@@ -106,6 +151,9 @@ def stage_env(res: dict, args) -> None:
 
 
 def stage_tests(res: dict, args) -> None:
+    if DEVICE == "cpu":
+        res["tests"] = {"returncode": 0, "summary": "skipped with --smoke (CI runs these files)", "seconds": 0}
+        return
     env = dict(os.environ, KVSERVE_TEST_TOKENIZER="synthetic", PYTHONPATH=os.pathsep.join([ROOT, *sys.path[1:]]))
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS, *GPU_PARTS_TESTS]
@@ -164,24 +212,26 @@ def stage_parity(res: dict, args) -> None:
     tokenizer = synthetic_tokenizer(49152)
     tmp = tempfile.mkdtemp(prefix="kvserve-parity-")
     out: dict = {}
-    for name in TINY_MODELS:
+    smoke = DEVICE == "cpu"
+    for name in list(TINY_MODELS)[:2] if smoke else TINY_MODELS:
         folder = build_tiny_model(name, os.path.join(tmp, name), tokenizer)
         prompts = parity_prompts(len(name))
         row: dict = {}
-        for dtype, num_tokens in (("float32", 32), ("bfloat16", 64)):
+        for dtype, num_tokens in (("float32", 8 if smoke else 32), ("bfloat16", 8 if smoke else 64)):
             hf = transformers.AutoModelForCausalLM.from_pretrained(
                 folder, dtype=getattr(torch, dtype), attn_implementation="eager"
             )
-            hf = hf.to("cuda").eval()
+            hf = hf.to(DEVICE).eval()
             refs = [hf_greedy(hf, p, num_tokens) for p in prompts]
             del hf
-            torch.cuda.empty_cache()
+            if not smoke:
+                torch.cuda.empty_cache()
             params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
             for graphs in (True, False):
                 llm = LLM(
                     folder,
                     dtype=dtype,
-                    device="cuda",
+                    device=DEVICE,
                     max_model_len=512,
                     max_num_seqs=16,
                     kv_cache_memory=1 << 30,
@@ -236,15 +286,15 @@ def stage_roofline(res: dict, args) -> None:
     from kvserve.benchmarks.synthetic import write_model_folder
 
     bandwidth = res.get("env", {}).get("copy_bandwidth_GBps", 0) * 1e9 or copy_bandwidth()
-    folder = write_model_folder(tempfile.mkdtemp(prefix="kvserve-llama3-8b-"), "llama3-8b")
-    prompt = [1000 + i for i in range(128)]
+    folder = write_model_folder(tempfile.mkdtemp(prefix="kvserve-llama3-8b-"), shape("llama3-8b"))
+    prompt = [100 + i for i in range(128)]
     out: dict = {"model": "llama3-8b shape, random bf16 weights", "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
     for graphs in (True, False):
         llm = LLM(
             folder,
             load_format="dummy",
             dtype="bfloat16",
-            device="cuda",
+            device=DEVICE,
             max_model_len=2048,
             max_num_seqs=8,
             enforce_eager=not graphs,
@@ -273,9 +323,10 @@ def stage_throughput(res: dict, args) -> None:
     from kvserve.benchmarks.synthetic import hf_config, write_model_folder
     from kvserve.benchmarks.throughput import run_hf, run_kvserve
 
-    folder = write_model_folder(tempfile.mkdtemp(prefix="kvserve-qwen3-0.6b-"), "qwen3-0.6b")
-    vocab = hf_config("qwen3-0.6b").vocab_size
-    spec = DatasetSpec("random", num_requests=args.num_requests, seed=0, input_len=(100, 1024), output_len=(100, 1024))
+    folder = write_model_folder(tempfile.mkdtemp(prefix="kvserve-qwen3-0.6b-"), shape("qwen3-0.6b"))
+    vocab = hf_config(shape("qwen3-0.6b")).vocab_size
+    lengths = (8, 32) if DEVICE == "cpu" else (100, 1024)
+    spec = DatasetSpec("random", num_requests=args.num_requests, seed=0, input_len=lengths, output_len=lengths)
     requests = build_dataset(spec, vocab)
     warm = build_dataset(DatasetSpec("random", 16, seed=1, input_len=(100, 300), output_len=(16, 64)), vocab)
     out: dict = {
@@ -289,7 +340,7 @@ def stage_throughput(res: dict, args) -> None:
             folder,
             load_format="dummy",
             dtype="bfloat16",
-            device="cuda",
+            device=DEVICE,
             max_model_len=2048,
             max_num_seqs=256,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -301,8 +352,8 @@ def stage_throughput(res: dict, args) -> None:
         out[r.name]["num_preemptions"] = llm.stats().get("num_preemptions")
         log(f"throughput {r.name}: {out[r.name]}")
         free_engine(llm)
-    with torch.device("cuda"):
-        hf = transformers.AutoModelForCausalLM.from_config(hf_config("qwen3-0.6b"), dtype=torch.bfloat16)
+    with torch.device(DEVICE):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config(shape("qwen3-0.6b")), dtype=torch.bfloat16)
     hf.eval()
     hf_requests = requests[: args.hf_requests]
     run_hf(hf, warm[:4], 4, 0, 0.6)
@@ -372,6 +423,7 @@ def main() -> int:
     p.add_argument("--roofline-long", type=int, default=576)
     p.add_argument("--tests-timeout", type=int, default=420)
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_suite.json")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the suite, measures nothing")
     args = p.parse_args()
     stages: list[str] = []
     for s in args.stages:
@@ -380,8 +432,13 @@ def main() -> int:
                 p.error(f"unknown stage {stage!r}")
             if stage not in stages:
                 stages.append(stage)
-    if not torch.cuda.is_available():
-        print("gpu_suite: torch sees no CUDA GPU", file=sys.stderr)
+    if args.smoke:
+        global DEVICE
+        DEVICE = "cpu"
+        args.num_requests, args.hf_requests, args.hf_batch_sizes = 8, 8, [4]
+        args.roofline_short, args.roofline_long = 8, 24
+    elif not torch.cuda.is_available():
+        print("gpu_suite: torch sees no CUDA GPU (--smoke runs the suite on the CPU)", file=sys.stderr)
         return 2
     res: dict = {"stages": stages, "errors": {}}
     path = os.path.join(args.out, f"gpu_suite-{'-'.join(args.stages)}.json")
