@@ -7,7 +7,10 @@ cache and preemption unaware of the draft:
 
 * every step the proposer first runs over the same positions the target just computed (`mirror`), so whatever
   the target's KV holds for a position, the draft's does too. A prefix-cache hit on target blocks is therefore
-  a hit on the draft's blocks as well, and preemption (which frees both) needs nothing;
+  a hit on the draft's blocks as well; recompute preemption (which frees both) needs nothing, and swap
+  preemption moves the draft's blocks with the target's (same pairs: worker/swap.py). KV a connector loads
+  (the offload tiers) is the target's alone: the draft's KV at those positions is whatever the block held, so
+  drafts there are worse (outputs are not: verification reads the target's KV only);
 * the draft steps then write positions past the target's computed tokens. Those slots are in blocks the
   request owns alone (never full of computed tokens, so never hashed); like the target's rejected drafts, they
   are overwritten when the target computes those positions. The scheduler allocates K lookahead slots per

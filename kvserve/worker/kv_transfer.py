@@ -22,10 +22,13 @@ class KVTransfer:
         info: KVConnectorInfo,
         num_swap_blocks: int,
         kv_transfer_config: KVTransferConfig | None,
+        mirror_pools: list[list[KVCache]] | None = None,
     ) -> None:
+        """`mirror_pools`: pools addressed by the target's block ids (a model proposer's), swapped with it."""
         self.num_layers = len(kv_caches)
         self.kv_caches = kv_caches
-        self.swap = SwapSpace(num_swap_blocks, kv_caches) if num_swap_blocks else None
+        pools = [kv_caches, *(mirror_pools or [])]
+        self.swap = SwapSpace(num_swap_blocks, pools) if num_swap_blocks else None
         self.connector = None
         if kv_transfer_config is not None:
             self.connector = create_worker_connector(kv_transfer_config, info)

@@ -146,8 +146,6 @@ class ModelRunner:
             f"|layers={num_layers}"
         )
         self.kv_connector_info = KVConnectorInfo(self.block_size, num_layers, block_bytes, layout_id)
-        swap = scheduler_config.preemption_mode == "swap"
-        self.num_swap_blocks = cache_config.swap_space // block_bytes if swap else 0
         self._kv_transfer_config = kv_transfer_config
         self.kv_transfer: KVTransfer | None = None  # with the KV cache (initialize_kv_cache)
         self.num_blocks = 0
@@ -167,6 +165,10 @@ class ModelRunner:
                 self.device,
             )
         self.spec_policy = SpecDecodePolicy(spec_config) if spec_config is not None else None
+        # A swapped-out block takes the draft's block with it (KVTransfer).
+        swap = scheduler_config.preemption_mode == "swap"
+        swap_block_bytes = block_bytes + self._proposer_block_bytes()
+        self.num_swap_blocks = cache_config.swap_space // swap_block_bytes if swap else 0
         self._prefault_stop = threading.Event()
         self._prefault_thread: threading.Thread | None = None
         if allocate_kv_cache:
@@ -239,11 +241,13 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.kv_transfer = KVTransfer(
-            self.kv_caches, self.kv_connector_info, self.num_swap_blocks, self._kv_transfer_config
-        )
+        mirror_pools = []
         if isinstance(self.proposer, ModelProposer):
             self.proposer.allocate_kv_cache(num_blocks)
+            mirror_pools.append(self.proposer.kv_caches)
+        self.kv_transfer = KVTransfer(
+            self.kv_caches, self.kv_connector_info, self.num_swap_blocks, self._kv_transfer_config, mirror_pools
+        )
         if self.cache_config.kv_prefault != "off":
             self.prefault_kv_cache(background=self.cache_config.kv_prefault == "background")
         if (
@@ -271,11 +275,20 @@ class ModelRunner:
     def prefault_kv_cache(self, background: bool = False) -> None:
         """Fault the whole KV pool in now (benchmarks, before timing) or from a daemon thread (the server, which
         is idle at start-up). Safe while steps run: the pages' contents are not changed."""
+        # The target's pool, then a model proposer's (its own mapping: prefault_kv_cache takes one at a time).
+        pools = [self.kv_caches]
+        if isinstance(self.proposer, ModelProposer):
+            pools.append(self.proposer.kv_caches)
+
+        def prefault_all(stop: threading.Event | None = None) -> None:
+            for pool in pools:
+                prefault_kv_cache(pool, stop)
+
         if not background:
-            prefault_kv_cache(self.kv_caches)
+            prefault_all()
             return
         self._prefault_thread = threading.Thread(
-            target=prefault_kv_cache, args=(self.kv_caches, self._prefault_stop), name="kv-prefault", daemon=True
+            target=prefault_all, args=(self._prefault_stop,), name="kv-prefault", daemon=True
         )
         self._prefault_thread.start()
 

@@ -13,20 +13,27 @@ from kvserve.worker.kv_cache import blocks_view
 
 
 class SwapSpace:
-    def __init__(self, num_swap_blocks: int, kv_caches: list[KVCache]) -> None:
-        self.pool = blocks_view(kv_caches)  # [num_blocks, 2 * num_layers, block_size, num_kv_heads, head_dim]
-        # [num_swap_blocks, 2 * num_layers, block_size, num_kv_heads, head_dim]; on the CPU, pages fault in on first
-        # use.
-        pin = self.pool.device.type == "cuda"
-        self.blocks = torch.empty((num_swap_blocks, *self.pool.shape[1:]), dtype=self.pool.dtype, pin_memory=pin)
+    """`pools`: the target's KV pool and any pool that mirrors its block ids (a draft model's), each moved with the
+    same (device block, swap block) pairs, so a swapped-in request finds the draft's KV where it left it too."""
+
+    def __init__(self, num_swap_blocks: int, pools: list[list[KVCache]]) -> None:
+        # Each [num_blocks, 2 * num_layers, block_size, num_kv_heads, head_dim] in its own shape.
+        self.pools = [blocks_view(kv_caches) for kv_caches in pools]
+        # On the CPU, pages fault in on first use.
+        pin = self.pools[0].device.type == "cuda"
+        self.blocks = [
+            torch.empty((num_swap_blocks, *pool.shape[1:]), dtype=pool.dtype, pin_memory=pin) for pool in self.pools
+        ]
         self.non_blocking = pin
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, swap block) pairs: device -> swap."""
-        for device, swap in pairs:
-            self.blocks[swap].copy_(self.pool[device], non_blocking=self.non_blocking)
+        for pool, blocks in zip(self.pools, self.blocks, strict=True):
+            for device, swap in pairs:
+                blocks[swap].copy_(pool[device], non_blocking=self.non_blocking)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, swap block) pairs: swap -> device."""
-        for device, swap in pairs:
-            self.pool[device].copy_(self.blocks[swap], non_blocking=self.non_blocking)
+        for pool, blocks in zip(self.pools, self.blocks, strict=True):
+            for device, swap in pairs:
+                pool[device].copy_(blocks[swap], non_blocking=self.non_blocking)

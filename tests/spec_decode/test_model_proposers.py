@@ -145,3 +145,22 @@ def test_adaptive_limits_cut_the_draft_steps(target_path, eagle_head_path, plain
     assert_same_greedy(plain, llm, copy_prompts(3, 31), max_tokens=30)
     assert all(n <= m for n, m in seen)
     assert sum(m == 1 for _, m in seen) > len(seen) // 2, seen
+
+
+def test_swap_preemption_takes_the_drafts_kv_along(target_path, plain):
+    """Swapped-out requests come back with the draft's KV too (it mirrors the target's block ids): the target
+    drafting for itself keeps accepting nearly everything across swaps, and greedy outputs stay identical."""
+    llm = LLM(
+        target_path,
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=24,
+        num_kv_blocks=14,
+        preemption_mode="swap",
+        swap_space=1 << 20,
+        speculative_config=spec_config("draft_model", target_path),
+    )
+    assert_same_greedy(plain, llm, copy_prompts(5, 16, length=16), max_tokens=40)
+    stats = llm.stats()
+    assert stats["num_swapped_out"] > 0 and stats["num_swapped_in"] == stats["num_swapped_out"]
+    assert stats["spec_decoding"]["acceptance_rate"] > 0.95, stats["spec_decoding"]

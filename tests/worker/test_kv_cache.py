@@ -13,6 +13,7 @@ from kvserve.worker.kv_cache import (
     num_blocks_for,
     prefault_kv_cache,
 )
+from kvserve.worker.swap import SwapSpace
 
 NUM_LAYERS = 3
 
@@ -82,3 +83,23 @@ def test_blocks_view_is_the_pool_by_block_and_refuses_other_layouts():
         assert not k[3].any() and not v[5].any()
     with pytest.raises(ValueError, match="back to back"):
         blocks_view([(v, k) for k, v in caches])  # out of order
+
+
+def test_swap_space_moves_every_mirrored_pool_with_the_same_pairs():
+    """The target's pool and a draft's (another shape, same block ids) go out and come back together, to other
+    device blocks than they left."""
+    target = allocate_kv_cache(backend(torch.float32), 6, 16, NUM_LAYERS, torch.float32, "cpu")
+    draft = allocate_kv_cache(TorchRefAttentionBackend(2, 1, 8, torch.float32), 6, 16, 1, torch.float32, "cpu")
+    pools = [blocks_view(target), blocks_view(draft)]
+    g = torch.Generator().manual_seed(0)
+    for pool in pools:
+        pool.copy_(torch.randn(pool.shape, generator=g))
+    before = [pool.clone() for pool in pools]
+    swap = SwapSpace(3, [target, draft])
+    swap.swap_out([(1, 0), (4, 2)])
+    for pool in pools:
+        pool.zero_()
+    swap.swap_in([(5, 0), (0, 2)])
+    for pool, old in zip(pools, before, strict=True):
+        assert torch.equal(pool[5], old[1]) and torch.equal(pool[0], old[4])
+        assert not pool[1].any() and not pool[4].any()
