@@ -37,7 +37,9 @@ class KVConnectorInfo:
 
     block_size: int  # tokens per block
     num_layers: int
-    block_bytes: int  # K and V of one block across all layers
+    # K and V of one block across all layers, plus the same block of every pool that mirrors the pool's block ids
+    # (a draft model's: KVConnectorWorker.register_kv_caches)
+    block_bytes: int
     # Identifies the model and the bytes' layout (dtype, backend, packing): blocks saved under another layout
     # must never be loaded.
     layout_id: str
@@ -119,10 +121,14 @@ class KVConnectorWorker(ABC):
         self.config = config
         self.info = info
         self.kv_caches: list = []
+        self.mirror_pools: list[list] = []
 
-    def register_kv_caches(self, kv_caches: list) -> None:
-        """Per layer (K, V) tensors of the pool, `[num_blocks, block_size, num_kv_heads, head_dim]` each."""
+    def register_kv_caches(self, kv_caches: list, mirror_pools: list[list] | None = None) -> None:
+        """Per layer (K, V) tensors of the pool, `[num_blocks, block_size, num_kv_heads, head_dim]` each.
+        `mirror_pools`: pools in the same form addressed by the same block ids (a draft model's KV), whose blocks
+        a connector that stores blocks stores and loads with the pool's (info.block_bytes counts them)."""
         self.kv_caches = kv_caches
+        self.mirror_pools = list(mirror_pools or [])
 
     @abstractmethod
     def start_load_kv(self, metadata: KVConnectorMetadata) -> set[str]:

@@ -38,6 +38,7 @@ class DraftModelProposer(ModelProposer):
         )
         self.model = load_model(draft_config, backend)
         super().__init__(
+            draft_config.path,
             num_speculative_tokens,
             backend,
             arch.num_hidden_layers,

@@ -123,6 +123,7 @@ class EagleProposer(ModelProposer):
         self.target = target
         # The head has the target's attention shape, so the target's backend and step metadata serve it too.
         super().__init__(
+            head_dir,
             num_speculative_tokens,
             backend,
             1,

@@ -8,9 +8,8 @@ cache and preemption unaware of the draft:
 * every step the proposer first runs over the same positions the target just computed (`mirror`), so whatever
   the target's KV holds for a position, the draft's does too. A prefix-cache hit on target blocks is therefore
   a hit on the draft's blocks as well; recompute preemption (which frees both) needs nothing, and swap
-  preemption moves the draft's blocks with the target's (same pairs: worker/swap.py). KV a connector loads
-  (the offload tiers) is the target's alone: the draft's KV at those positions is whatever the block held, so
-  drafts there are worse (outputs are not: verification reads the target's KV only);
+  preemption and a KV connector (the offload tiers) move the draft's block with the target's of the same id
+  (worker/swap.py, KVConnectorWorker.register_kv_caches);
 * the draft steps then write positions past the target's computed tokens. Those slots are in blocks the
   request owns alone (never full of computed tokens, so never hashed); like the target's rejected drafts, they
   are overwritten when the target computes those positions. The scheduler allocates K lookahead slots per
@@ -75,6 +74,7 @@ class ModelProposer(ABC):
 
     def __init__(
         self,
+        source: str,
         num_speculative_tokens: int,
         backend: AttentionBackend,
         num_layers: int,
@@ -85,6 +85,7 @@ class ModelProposer(ABC):
         generator: torch.Generator,
         device: torch.device,
     ) -> None:
+        self.source = source  # the draft model's or head's folder
         self.k = num_speculative_tokens
         self.device = device
         self.backend = backend
@@ -102,6 +103,11 @@ class ModelProposer(ABC):
     def bytes_per_block(self) -> int:
         """What one block of the proposer's pool takes: the target's KV budget pays for both pools."""
         return bytes_per_block(self.backend, self.block_size, self.num_layers, self.dtype)
+
+    def layout_id(self) -> str:
+        """What decides what the bytes of the proposer's blocks mean (a KV connector's stored blocks carry them)."""
+        shape = self.backend.kv_cache_shape(1, self.block_size)
+        return f"{self.source}|{self.backend.describe(self.block_size)}|{shape}|{self.dtype}|layers={self.num_layers}"
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         # NOTE: the same block count as the target's pool, in the draft's own shape (module docstring).

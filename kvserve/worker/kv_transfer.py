@@ -32,7 +32,7 @@ class KVTransfer:
         self.connector = None
         if kv_transfer_config is not None:
             self.connector = create_worker_connector(kv_transfer_config, info)
-            self.connector.register_kv_caches(kv_caches)
+            self.connector.register_kv_caches(kv_caches, mirror_pools or [])
 
     def before_forward(self, so: SchedulerOutput) -> set[str]:
         """Returns the requests to leave out of this step's forward pass: their synchronous KV load failed."""

@@ -139,13 +139,6 @@ class ModelRunner:
         )
         num_layers = arch.num_hidden_layers
         block_bytes = bytes_per_block(self.attn_backend, self.block_size, num_layers, self.dtype)
-        # Everything that decides what a block's bytes mean: KV saved under another one must never be loaded.
-        layout_id = (
-            f"{model_config.path}|{model_config.dtype}|{model_config.quantization}|"
-            f"{self.attn_backend.describe(self.block_size)}|{self.attn_backend.kv_cache_shape(1, self.block_size)}"
-            f"|layers={num_layers}"
-        )
-        self.kv_connector_info = KVConnectorInfo(self.block_size, num_layers, block_bytes, layout_id)
         self._kv_transfer_config = kv_transfer_config
         self.kv_transfer: KVTransfer | None = None  # with the KV cache (initialize_kv_cache)
         self.num_blocks = 0
@@ -165,10 +158,19 @@ class ModelRunner:
                 self.device,
             )
         self.spec_policy = SpecDecodePolicy(spec_config) if spec_config is not None else None
-        # A swapped-out block takes the draft's block with it (KVTransfer).
+        # A block that leaves the pool (swap, a KV connector) takes the draft's block of the same id with it.
         swap = scheduler_config.preemption_mode == "swap"
-        swap_block_bytes = block_bytes + self._proposer_block_bytes()
-        self.num_swap_blocks = cache_config.swap_space // swap_block_bytes if swap else 0
+        all_block_bytes = block_bytes + self._proposer_block_bytes()
+        self.num_swap_blocks = cache_config.swap_space // all_block_bytes if swap else 0
+        # Everything that decides what a block's bytes mean: KV saved under another one must never be loaded.
+        layout_id = (
+            f"{model_config.path}|{model_config.dtype}|{model_config.quantization}|"
+            f"{self.attn_backend.describe(self.block_size)}|{self.attn_backend.kv_cache_shape(1, self.block_size)}"
+            f"|layers={num_layers}"
+        )
+        if isinstance(self.proposer, ModelProposer):
+            layout_id += f"|draft={self.proposer.layout_id()}"
+        self.kv_connector_info = KVConnectorInfo(self.block_size, num_layers, all_block_bytes, layout_id)
         self._prefault_stop = threading.Event()
         self._prefault_thread: threading.Thread | None = None
         if allocate_kv_cache:
@@ -327,7 +329,6 @@ class ModelRunner:
             else:
                 ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
                 hidden = self.model(ids, positions, self.kv_caches, step.attn_metadata)
-        kv_connector_output = self.kv_transfer.after_forward(so)
         batch = self.batch
         batch.num_computed_tokens[step.rows] = step.seq_lens
         sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
@@ -345,6 +346,9 @@ class ModelRunner:
         if self.proposer is not None:
             with timer.phase("propose"):
                 spec_token_ids = self._propose(step, hidden, so.spec_draft_limits)
+        # After the proposer: its mirror pass writes the draft's KV of this step's positions, which a connector
+        # saves with the target's.
+        kv_connector_output = self.kv_transfer.after_forward(so)
         has_logprobs = any(x is not None for x in logprobs_lists)
         return ModelRunnerOutput(
             step.req_ids, sampled_lists, logprobs_lists if has_logprobs else None, spec_token_ids, kv_connector_output

@@ -90,7 +90,7 @@ class FailingRamLoads(OffloadConnectorWorker):
             if req_id in self._finished and len(loads) > 1:
                 self._finished.discard(req_id)
                 for block_id, _, _ in loads[1:]:
-                    self.pool[block_id].fill_(1e4)
+                    self.pools[0][block_id].fill_(1e4)
                 self._failed[req_id] = self.info.block_size
         return failed | set(self._failed)
 
@@ -188,6 +188,26 @@ def test_a_workload_ends_with_its_disk_writes_reported_even_failed_ones(model_pa
     assert not connector.has_pending_work() and not llm.engine.has_unfinished_requests()
     assert llm.stats()["kv_transfer"]["disk_blocks"] == 0
     assert_clean(llm)
+
+
+def test_a_drafts_kv_rides_along_in_both_tiers(model_path, reference, tmp_path):
+    """A draft model's KV is stored and loaded with the target's blocks (same slot, same file), so requests that
+    hit the RAM tier, or the disk tier after a restart, draft as well as before: the target drafting for itself
+    keeps accepting nearly everything, and greedy outputs stay those without speculation or offload."""
+    spec = {"method": "draft_model", "model": model_path, "num_speculative_tokens": 3, "adaptive": False}
+    first = LLM(model_path, kv_transfer_config=offload(tmp_path), speculative_config=spec, **ENGINE)
+    assert run(first, conversations()) == reference
+    assert first.stats()["kv_transfer"]["ram_hit_blocks"] > 0
+    assert first.stats()["spec_decoding"]["acceptance_rate"] > 0.95
+    first.engine.engine_core.shutdown()
+    assert_clean(first)
+    second = LLM(model_path, kv_transfer_config=offload(tmp_path), speculative_config=spec, **ENGINE)
+    assert run(second, conversations()[-4:]) == reference[-4:]
+    stats = second.stats()
+    assert stats["kv_transfer"]["disk_loaded_bytes"] > 0
+    assert stats["spec_decoding"]["acceptance_rate"] > 0.95, stats["spec_decoding"]
+    second.engine.engine_core.shutdown()
+    assert_clean(second)
 
 
 SWAP_ENGINE = dict(dtype="float32", max_model_len=256, block_size=8, num_kv_blocks=14, max_num_seqs=8)

@@ -1,11 +1,12 @@
 """The offload connector's worker side: the RAM tier's memory, the disk tier's files, and the copies.
 
 RAM loads and saves are tensor copies on the calling thread, one strided copy per block across every layer (a block
-is a few hundred KiB: the copy is far cheaper than a thread hand-off on the CPU engine). Disk writes and disk loads
-run on one I/O thread, in order, so a delete, a write and a later read of the same file never race; a request with
-disk blocks finishes loading when that thread has read, checked and copied them. A bad file (missing, short,
-foreign, checksum) fails the load from that block on, is deleted, and is reported so the scheduler side forgets it;
-the scheduler recomputes those tokens.
+is a few hundred KiB: the copy is far cheaper than a thread hand-off on the CPU engine), plus one per pool that
+mirrors the pool's block ids (a draft model's KV, stored after the target's in the same slot and file). Disk
+writes and disk loads run on one I/O thread, in order, so a delete, a write and a later read of the same file never
+race; a request with disk blocks finishes loading when that thread has read, checked and copied them. A bad file
+(missing, short, foreign, checksum) fails the load from that block on, is deleted, and is reported so the scheduler
+side forgets it; the scheduler recomputes those tokens.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ class OffloadConnectorWorker(KVConnectorWorker):
         super().__init__(config, info)
         self.options = OffloadOptions.from_config(config)
         self.num_slots = self.options.cpu_bytes // info.block_bytes
-        self.pool: torch.Tensor | None = None  # [num_blocks, 2 * num_layers, block_size, num_kv_heads, head_dim]
-        self.ram: torch.Tensor | None = None  # [num_slots, 2 * num_layers, block_size, num_kv_heads, head_dim]
+        # The pool, then the pools that mirror its block ids (a draft's), each [num_blocks, 2 * num_layers, ...].
+        self.pools: list[torch.Tensor] = []
+        self.ram: torch.Tensor | None = None  # [num_slots, block_bytes] uint8: each pool's block in turn
         self.dir = layout_dir(self.options.disk_path, info.layout_id) if self.options.disk_path else None
         self._digest = disk_format.layout_digest(info.layout_id)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-io") if self.dir else None
@@ -47,12 +49,27 @@ class OffloadConnectorWorker(KVConnectorWorker):
         self._lock = threading.Lock()
         self._counters: dict[str, float] = {}
 
-    def register_kv_caches(self, kv_caches: list) -> None:
-        super().register_kv_caches(kv_caches)
-        self.pool = blocks_view(kv_caches)
+    def register_kv_caches(self, kv_caches: list, mirror_pools: list[list] | None = None) -> None:
+        super().register_kv_caches(kv_caches, mirror_pools)
+        self.pools = [blocks_view(pool) for pool in [kv_caches, *self.mirror_pools]]
+        total = sum(pool[0].numel() * pool.element_size() for pool in self.pools)
+        assert total == self.info.block_bytes, (total, self.info.block_bytes)
         # torch.empty: pages are faulted in when a slot is first written, so an unused budget costs nothing.
         # A slot holds a block in the disk files' payload order.
-        self.ram = torch.empty((self.num_slots, *self.pool.shape[1:]), dtype=self.pool.dtype)
+        self.ram = torch.empty((self.num_slots, total), dtype=torch.uint8)
+
+    def _parts(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """A block's bytes (a RAM slot, or a disk file's payload) as one view per pool, in the pools' order."""
+        parts, offset = [], 0
+        for pool in self.pools:
+            size = pool[0].numel() * pool.element_size()
+            parts.append(row[offset : offset + size].view(pool.dtype).view(pool.shape[1:]))
+            offset += size
+        return parts
+
+    def _load_block(self, block_id: int, row: torch.Tensor) -> None:
+        for pool, part in zip(self.pools, self._parts(row), strict=True):
+            pool[block_id].copy_(part)
 
     def _count(self, key: str, value: float) -> None:
         with self._lock:
@@ -73,7 +90,7 @@ class OffloadConnectorWorker(KVConnectorWorker):
             if ram:
                 start = time.perf_counter()
                 for block_id, slot in ram:
-                    self.pool[block_id].copy_(self.ram[slot])  # type: ignore[index]
+                    self._load_block(block_id, self.ram[slot])
                 self._count("load_time_s", time.perf_counter() - start)
                 self._count("ram_loaded_bytes", len(ram) * self.info.block_bytes)
             disk = [(i, block_id, block_hash) for i, (block_id, slot, block_hash) in enumerate(loads) if slot == DISK]
@@ -99,9 +116,7 @@ class OffloadConnectorWorker(KVConnectorWorker):
                     os.unlink(path)
                 self._count("load_time_s", time.perf_counter() - start)
                 return index, block_hash
-            assert self.pool is not None
-            rows = torch.frombuffer(payload, dtype=torch.uint8).view(self.pool.dtype).view(self.pool.shape[1:])
-            self.pool[block_id].copy_(rows)
+            self._load_block(block_id, torch.frombuffer(payload, dtype=torch.uint8))
             self._count("disk_loaded_bytes", len(payload))
         self._count("load_time_s", time.perf_counter() - start)
         return None, None
@@ -114,15 +129,16 @@ class OffloadConnectorWorker(KVConnectorWorker):
         saves, self._pending_saves = self._pending_saves, []
         if not saves:
             return
-        assert self.ram is not None and self.pool is not None
+        assert self.ram is not None and self.pools
         start = time.perf_counter()
         # In order: two saves of one step may share a slot (the first evicted by the second), and the index holds
         # the last. A disk write gets its own copy, since the slot may be reused before the I/O thread reads it.
         for block_id, slot, block_hash, to_disk in saves:
-            self.ram[slot].copy_(self.pool[block_id])
+            for pool, part in zip(self.pools, self._parts(self.ram[slot]), strict=True):
+                part.copy_(pool[block_id])
             if to_disk:
                 assert self._io is not None
-                payload = memoryview(self.ram[slot].clone().view(torch.uint8).reshape(-1).numpy())
+                payload = memoryview(self.ram[slot].clone().numpy())
                 self._writes.append(self._io.submit(self._write, block_hash, payload))
         self._count("ram_saved_bytes", len(saves) * self.info.block_bytes)
         self._count("save_time_s", time.perf_counter() - start)
