@@ -57,25 +57,7 @@ KERNEL_TESTS = [
 GPU_PARTS_TESTS = ["tests/worker/test_gpu_parts.py"]
 DEVICE = "cuda"  # "cpu" with --smoke
 # --smoke: tiny stand-ins for the measured shapes (random weights, as there).
-_SMOKE_FIELDS = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=512,
-    max_position_embeddings=2048,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-SMOKE_SHAPES = {
-    "llama3-8b": dict(_SMOKE_FIELDS, model_type="llama", architectures=["LlamaForCausalLM"]),
-    "qwen3-0.6b": dict(_SMOKE_FIELDS, model_type="qwen3", architectures=["Qwen3ForCausalLM"]),
-}
+SMOKE_SHAPES = {"llama3-8b": "tiny-llama", "qwen3-0.6b": "tiny-qwen3"}
 
 
 def log(msg: str) -> None:
@@ -90,7 +72,7 @@ def free_engine(llm) -> None:
         torch.cuda.empty_cache()
 
 
-def shape(name: str) -> str | dict:
+def shape(name: str) -> str:
     """A model shape of kvserve.benchmarks.synthetic.SHAPES, or its tiny stand-in with --smoke."""
     return SMOKE_SHAPES[name] if DEVICE == "cpu" else name
 

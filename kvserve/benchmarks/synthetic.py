@@ -9,8 +9,27 @@ from __future__ import annotations
 
 import os
 
-# HF config fields of the model shapes the GPU benchmarks use (their published configs' shapes).
+# Tiny stand-ins (benchmarks/gpu_suite.py --smoke checks the suite on the CPU with them).
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# HF config fields of the model shapes the GPU benchmarks use (their published configs' shapes), and tiny ones.
 SHAPES: dict[str, dict] = {
+    "tiny-llama": dict(_TINY, model_type="llama", architectures=["LlamaForCausalLM"]),
+    "tiny-qwen3": dict(_TINY, model_type="qwen3", architectures=["Qwen3ForCausalLM"]),
     "llama3-8b": dict(
         model_type="llama",
         architectures=["LlamaForCausalLM"],

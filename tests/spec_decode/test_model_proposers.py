@@ -58,17 +58,24 @@ def test_greedy_identical_with_n_and_stops(plain, spec):
     assert_all_blocks_free(spec)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle"])
-def test_greedy_identical_with_chunked_prefill_and_preemption(method, target_path, eagle_head_path, plain):
-    model = target_path if method == "draft_model" else eagle_head_path
-    llm = LLM(
+def small_pool_llm(target_path: str, config: dict, **kwargs) -> LLM:
+    """A pool of 14 blocks and 24 tokens per step: five requests of ~80 tokens force chunked prefill and
+    preemption."""
+    return LLM(
         target_path,
         dtype="float32",
         max_model_len=256,
         max_num_batched_tokens=24,
         num_kv_blocks=14,
-        speculative_config=spec_config(method, model),
+        speculative_config=config,
+        **kwargs,
     )
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_greedy_identical_with_chunked_prefill_and_preemption(method, target_path, eagle_head_path, plain):
+    model = target_path if method == "draft_model" else eagle_head_path
+    llm = small_pool_llm(target_path, spec_config(method, model))
     assert_same_greedy(plain, llm, copy_prompts(5, 13, length=16), max_tokens=40)
     assert llm.stats()["num_preemptions"] > 0
 
@@ -150,16 +157,8 @@ def test_adaptive_limits_cut_the_draft_steps(target_path, eagle_head_path, plain
 def test_swap_preemption_takes_the_drafts_kv_along(target_path, plain):
     """Swapped-out requests come back with the draft's KV too (it mirrors the target's block ids): the target
     drafting for itself keeps accepting nearly everything across swaps, and greedy outputs stay identical."""
-    llm = LLM(
-        target_path,
-        dtype="float32",
-        max_model_len=256,
-        max_num_batched_tokens=24,
-        num_kv_blocks=14,
-        preemption_mode="swap",
-        swap_space=1 << 20,
-        speculative_config=spec_config("draft_model", target_path),
-    )
+    config = spec_config("draft_model", target_path)
+    llm = small_pool_llm(target_path, config, preemption_mode="swap", swap_space=1 << 20)
     assert_same_greedy(plain, llm, copy_prompts(5, 16, length=16), max_tokens=40)
     stats = llm.stats()
     assert stats["num_swapped_out"] > 0 and stats["num_swapped_in"] == stats["num_swapped_out"]
