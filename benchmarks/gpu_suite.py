@@ -51,6 +51,7 @@ STAGES = ("env", "tests", "parity", "roofline", "throughput")
 GROUPS = {"correctness": ("env", "tests", "parity"), "perf": ("env", "roofline", "throughput")}
 KERNEL_TESTS = [
     "tests/attention/test_triton_attention.py",
+    "tests/kernels/test_triton_ops.py",
     "tests/models/test_triton_engine.py",
     "tests/spec_decode/test_triton_proposers.py",
 ]
@@ -64,12 +65,14 @@ def log(msg: str) -> None:
     print(f"[gpu_suite {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def free_engine(llm) -> None:
-    llm.shutdown()
-    del llm
+def release_memory() -> None:
+    """Call after dropping the last reference to an engine (`llm.shutdown(); del llm`): a reference left in the
+    caller's frame keeps the model, its KV pool and its graphs on the GPU, and the next engine (or the tests'
+    subprocess) runs out of memory."""
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
+        log(f"GPU memory allocated after release: {torch.cuda.memory_allocated() / 2**30:.2f} GiB")
 
 
 def shape(name: str) -> str:
@@ -138,14 +141,36 @@ def stage_tests(res: dict, args) -> None:
         return
     env = dict(os.environ, KVSERVE_TEST_TOKENIZER="synthetic", PYTHONPATH=os.pathsep.join([ROOT, *sys.path[1:]]))
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS, *GPU_PARTS_TESTS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "--durations=10",
+        "-p",
+        "no:cacheprovider",
+        *KERNEL_TESTS,
+        *GPU_PARTS_TESTS,
+    ]
     log("tests: " + " ".join(cmd))
+    if DEVICE == "cuda":
+        release_memory()
+    # pytest writes straight to a file under --out, so a run cut short by its timeout still leaves its log.
+    log_path = os.path.join(args.out, "gpu_suite-tests.log")
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.tests_timeout)
-    print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n", flush=True)
-    summary = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line or "error" in line]
+    with open(log_path, "w") as log_file:
+        try:
+            returncode = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.tests_timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            returncode = f"timed out after {args.tests_timeout} s"
+    with open(log_path) as f:
+        output = f.read()
+    print(output[-6000:], flush=True)
+    summary = [line for line in output.splitlines() if " passed" in line or " failed" in line or "error" in line]
     res["tests"] = {
-        "returncode": proc.returncode,
+        "returncode": returncode,
         "summary": summary[-1] if summary else "(no summary)",
         "seconds": round(time.perf_counter() - start, 1),
     }
@@ -223,7 +248,9 @@ def stage_parity(res: dict, args) -> None:
                 divs = [first_divergence(o.outputs[0].token_ids, r) for o, r in zip(outs, refs, strict=True)]
                 key = f"{dtype}-{'graphs' if graphs else 'eager'}"
                 row[key] = {"identical": all(d is None for d in divs), "first_divergence": divs}
-                free_engine(llm)
+                llm.shutdown()
+                del llm
+                release_memory()
         out[name] = row
         log(
             f"parity {name}: "
@@ -263,6 +290,78 @@ def weights_read_per_step(model) -> int:
     return total
 
 
+def step_breakdown(llm, prompt: list[int], num_tokens: int, graphs: bool) -> dict:
+    """Where a decode step's time goes: the engine's phase timer per step (host clocks; `sample` waits for the GPU),
+    and with graphs the GPU time of the batch-1 graph replay plus the LM head alone, back to back (CUDA events),
+    so that step time minus GPU time is host work the GPU waits for."""
+    from kvserve import SamplingParams
+
+    core = llm.engine.engine_core
+    timer, runner = core.timer, core.runner
+    timer.enabled = True
+    timer.reset()
+    start = time.perf_counter()
+    llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True),
+        use_tqdm=False,
+    )
+    wall = time.perf_counter() - start
+    timer.enabled = False
+    out = {
+        "phase_ms_per_step": {k: round(v / timer.steps * 1e3, 3) for k, v in sorted(timer.seconds.items())},
+        "wall_ms_per_step": round(wall / timer.steps * 1e3, 3),
+    }
+    timer.reset()
+    if not graphs or DEVICE != "cuda" or runner.graphs is None or 1 not in runner.graphs.graphs:
+        return out
+    graph = runner.graphs.graphs[1]
+    hidden = runner.graphs.outputs[1][:1]
+
+    def gpu_ms(fn, iters: int = 50) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+
+    with torch.inference_mode():
+        out["gpu_graph_replay_ms"] = round(gpu_ms(graph.replay), 3)
+        out["gpu_lm_head_ms"] = round(gpu_ms(lambda: runner.model.compute_logits(hidden)), 3)
+        try:  # a diagnosis only: its failure must not cost the stage's figures
+            out["kernels"] = kernel_profile(runner)
+        except Exception as e:
+            out["kernels_error"] = repr(e)
+    return out
+
+
+def kernel_profile(runner, iters: int = 10) -> list[dict]:
+    """GPU time per kernel of the batch-1 decode forward (the graph's kernels, launched eagerly under the
+    profiler), largest first: which kernels keep a step off the roofline."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = runner.graphs
+    ids, pos, metadata = g.tokens[0, :1], g.tokens[1, :1], g.metadata[1]
+    runner.model(ids, pos, runner.kv_caches, metadata)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            runner.model(ids, pos, runner.kv_caches, metadata)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        total_us = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if total_us > 0 and e.count:
+            rows.append(
+                {"kernel": e.key[:90], "us_per_step": round(total_us / iters, 1), "calls_per_step": e.count // iters}
+            )
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:20]
+
+
 def stage_roofline(res: dict, args) -> None:
     from kvserve import LLM
     from kvserve.benchmarks.synthetic import write_model_folder
@@ -271,7 +370,7 @@ def stage_roofline(res: dict, args) -> None:
     folder = write_model_folder(tempfile.mkdtemp(prefix="kvserve-llama3-8b-"), shape("llama3-8b"))
     prompt = [100 + i for i in range(128)]
     out: dict = {"model": "llama3-8b shape, random bf16 weights", "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
-    for graphs in (True, False):
+    for graphs in (mode == "graphs" for mode in args.roofline_modes):
         llm = LLM(
             folder,
             load_format="dummy",
@@ -292,8 +391,11 @@ def stage_roofline(res: dict, args) -> None:
             "fraction_of_roofline": round(floor / step, 3),
             "tokens_per_s": round(1 / step, 1),
         }
+        out[key].update(step_breakdown(llm, prompt, args.roofline_long, graphs))
         log(f"roofline {key}: {out[key]}")
-        free_engine(llm)
+        llm.shutdown()
+        del llm
+        release_memory()
     res["roofline"] = out
 
 
@@ -317,7 +419,7 @@ def stage_throughput(res: dict, args) -> None:
         "prompt_tokens": sum(r.prompt_len for r in requests),
         "output_tokens": sum(r.output_len for r in requests),
     }
-    for graphs in (True, False):
+    for graphs in (mode == "graphs" for mode in args.throughput_modes):
         llm = LLM(
             folder,
             load_format="dummy",
@@ -329,11 +431,24 @@ def stage_throughput(res: dict, args) -> None:
             enforce_eager=not graphs,
         )
         run_kvserve(llm, warm, "warmup", 0.6)
+        timer = llm.engine.engine_core.timer
+        timer.enabled = True  # a few clock reads per step: where the step goes, host phases against the GPU's
+        timer.reset()
         r = run_kvserve(llm, requests, f"kvserve ({'graphs' if graphs else 'eager'})", 0.6)
+        timer.enabled = False
         out[r.name] = {"seconds": round(r.seconds, 2), "output_tok_s": round(r.output_tokens_per_s, 1)}
+        out[r.name]["steps"] = timer.steps
+        out[r.name]["phase_ms_per_step"] = {
+            k: round(v / max(timer.steps, 1) * 1e3, 3) for k, v in sorted(timer.seconds.items())
+        }
         out[r.name]["num_preemptions"] = llm.stats().get("num_preemptions")
         log(f"throughput {r.name}: {out[r.name]}")
-        free_engine(llm)
+        llm.shutdown()
+        del llm
+        release_memory()
+    res["throughput"] = out
+    if args.hf_requests == 0:  # kvserve alone (a re-measure after a change; the HF ratio needs a full run)
+        return
     with torch.device(DEVICE):
         hf = transformers.AutoModelForCausalLM.from_config(hf_config(shape("qwen3-0.6b")), dtype=torch.bfloat16)
     hf.eval()
@@ -348,11 +463,12 @@ def stage_throughput(res: dict, args) -> None:
         }
         log(f"throughput {r.name}: {out[r.name]}")
     best_hf = max(v["output_tok_s"] for k, v in out.items() if k.startswith("hf-generate"))
-    out["speedup_graphs_vs_best_hf"] = round(out["kvserve (graphs)"]["output_tok_s"] / best_hf, 2)
-    out["speedup_graphs_vs_eager"] = round(
-        out["kvserve (graphs)"]["output_tok_s"] / out["kvserve (eager)"]["output_tok_s"], 2
-    )
-    res["throughput"] = out
+    if "kvserve (graphs)" in out:
+        out["speedup_graphs_vs_best_hf"] = round(out["kvserve (graphs)"]["output_tok_s"] / best_hf, 2)
+        if "kvserve (eager)" in out:
+            out["speedup_graphs_vs_eager"] = round(
+                out["kvserve (graphs)"]["output_tok_s"] / out["kvserve (eager)"]["output_tok_s"], 2
+            )
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -380,6 +496,14 @@ def summary(res: dict) -> str:
                     f"roofline llama3-8b {key}: {r['step_ms']} ms/step vs {r['roofline_ms']} ms floor = "
                     f"{r['fraction_of_roofline']:.1%} ({r['tokens_per_s']} tok/s)"
                 )
+                gpu = (
+                    f"; GPU: graph {r['gpu_graph_replay_ms']} + LM head {r['gpu_lm_head_ms']}"
+                    if "gpu_lm_head_ms" in r
+                    else ""
+                )
+                lines.append(f"  ms/step by phase: {r['phase_ms_per_step']} of {r['wall_ms_per_step']}{gpu}")
+                for k in r.get("kernels", [])[:12]:
+                    lines.append(f"    {k['us_per_step']:>8} us  x{k['calls_per_step']:<4} {k['kernel']}")
     if "throughput" in res:
         for k, v in res["throughput"].items():
             if isinstance(v, dict):
@@ -398,11 +522,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("stages", nargs="+", help=f"stages ({', '.join(STAGES)}) or groups ({', '.join(GROUPS)})")
     p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--hf-requests", type=int, default=256, help="requests HF generate runs (a prefix of the set)")
+    p.add_argument(
+        "--hf-requests", type=int, default=256, help="requests HF generate runs (a prefix of the set; 0: no HF run)"
+    )
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64])
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--roofline-short", type=int, default=64)
     p.add_argument("--roofline-long", type=int, default=576)
+    p.add_argument("--throughput-modes", nargs="+", choices=("graphs", "eager"), default=["graphs", "eager"])
+    p.add_argument("--roofline-modes", nargs="+", choices=("graphs", "eager"), default=["graphs", "eager"])
     p.add_argument("--tests-timeout", type=int, default=420)
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_suite.json")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the suite, measures nothing")
