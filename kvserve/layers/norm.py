@@ -11,8 +11,9 @@ from kvserve.layers.custom_op import CustomOp
 class RMSNorm(CustomOp):
     """forward(x) -> norm(x); forward(x, residual) -> (norm(x + residual), x + residual), the next residual.
 
-    NOTE: the cpu path works in place on `x` and `residual` (both are the layer's own temporaries); without a
-    residual it works on a copy, since the caller may keep `x` (the first layer's residual).
+    NOTE: the cpu and cuda (half types) paths work in place on `x` and `residual` (both are the layer's own
+    temporaries); without a residual they write a new tensor, since the caller may keep `x` (the first layer's
+    residual).
     """
 
     def __init__(
@@ -46,6 +47,19 @@ class RMSNorm(CustomOp):
             return out
         self.kernels.rms_norm_(x, residual, self.weight, self.eps)
         return x, residual
+
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # fp32 keeps torch's own kernels: its agreement with HF to the bit is what the fp32 parity checks hold.
+        if x.dtype == torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
+            return self.forward_native(x, residual)
+        if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+            return self.forward_native(x, residual)
+        from kvserve.kernels import triton_ops
+
+        # One launch instead of six or more (add, pow, mean, rsqrt, the casts, the weight): in place like the cpu path.
+        return triton_ops.rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, impl={self.impl}"

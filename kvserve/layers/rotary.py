@@ -74,6 +74,16 @@ class RotaryEmbedding(CustomOp):
         assert self.kernels is not None
         self.kernels.rotary_(x, positions, self.cos, self.sin, num_heads, 2 * self.cos.shape[1])
 
+    def forward_cuda(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
+        # fp32 keeps torch's kernels (bitwise HF parity); half types take one launch instead of a gather, four
+        # products, a cat and a copy.
+        if x.dtype == torch.float32 or x.stride(-1) != 1:
+            self.forward_native(positions, x, num_heads)
+            return
+        from kvserve.kernels import triton_ops
+
+        triton_ops.rotary_(positions, x, self.cos, self.sin, num_heads)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
