@@ -31,6 +31,7 @@ _SOURCES = [
         "sampling.cpp",
         "elementwise.cpp",
         "linear.cpp",
+        "linear_bf16.cpp",
         "quant.cpp",
         "int8_linear.cpp",
         "decoder_layer.cpp",

@@ -1,7 +1,12 @@
 """Linear layers, with the weight held once, in the form the CPU matmuls read fastest.
 
-- Native bf16 (AVX512-BF16, AMX): oneDNN's matmul repacks a plain [out, in] weight into its blocked layout on every
-  call; packing once after loading makes batch-1 GEMVs 2-3x and batch-128 GEMMs 1.3-1.5x faster.
+- Native bf16 (AVX512-BF16) with the C++ kernels: kvserve's bf16 pair panels (kernels/csrc/linear_bf16.cpp),
+  read by `vdpbf16ps` at every batch size. Against oneDNN's prepacked weight (the form before): the GEMV 1.6-2.5x
+  faster on cached weights, the GEMM level with it, each row's result independent of its batch (oneDNN's is not
+  for every shape), and the fused C++ decoder layer can run the model (docs/benchmarks.md).
+- Native bf16 without them (or an odd input width): oneDNN's matmul repacks a plain [out, in] weight into its
+  blocked layout on every call; packing once after loading makes batch-1 GEMVs 2-3x and batch-128 GEMMs 1.3-1.5x
+  faster.
 - Otherwise (fp32, the default where the CPU has no native bf16, and bf16 asked for on such a CPU) with the C++
   kernels: kvserve's own panel layout (kernels/csrc/linear.cpp), read by one kernel at every batch size. A
   batch-1 step streams it at the rate of a plain read, where oneDNN's packed GEMV reaches about half; batched
@@ -35,6 +40,10 @@ def _warn_unpacked(dtype: str, why: str) -> None:
     logger.warning("keeping %s weights unpacked: %s", dtype, why)
 
 
+def _has_pair_panels(kernels: ModuleType | None) -> bool:
+    return kernels is not None and kernels.linear_bf16_pairs_supported()
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), W [out_features, in_features]. Parameters are left uninitialised (checkpoints fill them).
 
@@ -49,7 +58,10 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._packed: torch.Tensor | None = None  # oneDNN blocked copy of the weight
-        self._panels: torch.Tensor | None = None  # [P, in, panel width]: kernels/csrc/linear.cpp's layout
+        self._panels: torch.Tensor | None = None  # kvserve's own layout, of kind _panel_kind:
+        # "float": [P, in, panel width] fp32/bf16 (kernels/csrc/linear.cpp); "bf16_pairs": [P, in / 2, panel width,
+        # 2] bf16 (linear_bf16.cpp, AVX512-BF16)
+        self._panel_kind = "float"
         self._kernels: ModuleType | None = None  # the C++ kernels, which read _panels
 
     def pack_for_cpu(self) -> None:
@@ -57,6 +69,13 @@ class Linear(nn.Module):
         assert self.weight is not None
         w = self.weight.detach()
         if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float32):
+            return
+        kernels = load_cpu_kernels()
+        if w.dtype == torch.bfloat16 and cpu_info().native_bf16 and w.shape[1] % 2 == 0 and _has_pair_panels(kernels):
+            self._kernels = kernels
+            self._panels = kernels.pack_linear_weight_bf16_pairs(w)
+            self._panel_kind = "bf16_pairs"
+            self.weight = None
             return
         if w.dtype == torch.bfloat16 and cpu_info().native_bf16 and cpu_packing_available():
             try:
@@ -66,11 +85,11 @@ class Linear(nn.Module):
             else:
                 self.weight = None  # drop our reference (a tied embedding keeps its own)
                 return
-        kernels = load_cpu_kernels()
         if kernels is None:
             return
         self._kernels = kernels
         self._panels = kernels.pack_linear_weight(w)
+        self._panel_kind = "float"
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,11 +98,15 @@ class Linear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + bias in whichever weight form this module holds (a row-parallel layer adds its bias later)."""
         if self._panels is not None:
+            if self._panel_kind == "bf16_pairs":
+                return self._kernels.linear_bf16_pairs(x, self._panels, self.out_features, bias)
             return self._kernels.linear_packed(x, self._panels, self.out_features, bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
-        form = ", oneDNN-packed" if self._packed is not None else ", panels" if self._panels is not None else ""
+        form = ", oneDNN-packed" if self._packed is not None else ""
+        if self._panels is not None:
+            form = ", bf16 pair panels" if self._panel_kind == "bf16_pairs" else ", panels"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{form}"

@@ -42,8 +42,8 @@ _PANEL_LINEAR_TYPES = (QKVParallelLinear, RowParallelLinear, MergedColumnParalle
 
 
 def _fused_linear_spec(m: nn.Module) -> list[torch.Tensor] | None:
-    """A linear as the fused C++ layer takes it ([float panels], or an int8 layer's panels, scales, column sums and
-    rotation signs), or None where the fused layer cannot run it (no panels; sharded over several ranks)."""
+    """A linear as the fused C++ layer takes it ([float or bf16 pair panels], or an int8 layer's panels, scales,
+    column sums and rotation signs), or None where the fused layer cannot run it (no panels; sharded over ranks)."""
     if isinstance(m, Int8Linear):
         return m.fused_spec() if m.impl == "cpu" else None
     if type(m) not in _PANEL_LINEAR_TYPES or m._panels is None or m.tp.world_size != 1:
@@ -119,8 +119,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def prepare_fused(self) -> None:
         """After packing: use kernels/csrc/decoder_layer.cpp for this layer if every op of it runs on the C++
-        kernels with panel weights (fp32, bf16 without native bf16, or int8), on one rank, without Qwen3's q/k
-        norms. The C++ layer calls the same kernels in the same order, so results are bitwise the module path's."""
+        kernels with panel weights (fp32, bf16, or int8), on one rank, without Qwen3's q/k norms. The C++ layer
+        calls the same kernels in the same order, so results are bitwise the module path's."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         ops = (self.input_layernorm, self.post_attention_layernorm, attn.rotary, mlp.act_fn)

@@ -82,9 +82,66 @@ def test_bf16_linear_form_follows_the_cpu():
     lin, w, b = _loaded(torch.bfloat16)
     lin.pack_for_cpu()
     assert lin.weight is None
-    if cpu_info().native_bf16:
-        assert lin._packed is not None and lin._panels is None  # oneDNN's bf16 kernels
+    if cpu_info().native_bf16 and K.linear_bf16_pairs_supported():
+        assert lin._panel_kind == "bf16_pairs" and lin._packed is None  # vdpbf16ps on kvserve's pair panels
+    elif cpu_info().native_bf16:
+        assert lin._packed is not None and lin._panels is None  # oneDNN's bf16 kernels (kernels built lower)
     else:
         assert lin._panels is not None and lin._panels.dtype == torch.bfloat16  # not oneDNN's emulated bf16
     x = torch.randn(3, 64).bfloat16()
     torch.testing.assert_close(lin(x).float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=5e-2)
+
+
+pairs = pytest.mark.skipif(not K.linear_bf16_pairs_supported(), reason="bf16 pair panels need AVX512-BF16")
+
+
+@pairs
+def test_pair_panel_layout():
+    w = torch.arange(5 * 4, dtype=torch.float32).view(5, 4).bfloat16()
+    wp = K.pack_linear_weight_bf16_pairs(w)
+    width = K.linear_panel_width()  # the same panel width as the float panels
+    assert wp.shape == (1, 2, width, 2)
+    torch.testing.assert_close(wp[0, :, :5, :], w.view(5, 2, 2).transpose(0, 1))  # (k, k + 1) pairs, k-major
+    assert not wp[0, :, 5:].any()
+    with pytest.raises(RuntimeError, match="K must be even"):
+        K.pack_linear_weight_bf16_pairs(torch.zeros(4, 3).bfloat16())
+
+
+@pairs
+@pytest.mark.parametrize("m", [1, 2, 12, 13, 64, 100])
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 20), (16, 1536), (5, 2)])
+def test_linear_bf16_pairs_matches_torch(m, n, k):
+    torch.manual_seed(0)
+    x = torch.randn(m, k).bfloat16()
+    w = torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16()
+    wp = K.pack_linear_weight_bf16_pairs(w)
+    for bias in (None, b):
+        got = K.linear_bf16_pairs(x, wp, n, bias)
+        want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        # Exact products, fp32 sums: only the output's rounding to bf16 is left.
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-3 * k**0.5)
+
+
+@pairs
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 700), (200, 1536)])
+def test_linear_bf16_pairs_row_is_batch_invariant(n, k):
+    torch.manual_seed(0)
+    x = torch.randn(64, k).bfloat16()
+    wp = K.pack_linear_weight_bf16_pairs(torch.randn(n, k).bfloat16())
+    alone = torch.cat([K.linear_bf16_pairs(x[i : i + 1], wp, n, None) for i in range(len(x))])
+    for m in (2, 5, 13, 64):
+        assert torch.equal(K.linear_bf16_pairs(x[:m], wp, n, None), alone[:m])
+
+
+@pairs
+def test_bf16_linear_with_an_odd_input_width_keeps_another_form():
+    torch.manual_seed(0)
+    lin = Linear(63, 48)
+    lin.weight.data = torch.randn(48, 63).bfloat16()
+    w = lin.weight.detach().clone()
+    lin.pack_for_cpu()
+    assert lin._panel_kind == "float"  # oneDNN's packed copy, or float panels
+    x = torch.randn(3, 63).bfloat16()
+    torch.testing.assert_close(lin(x).float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=5e-2)

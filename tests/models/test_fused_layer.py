@@ -1,6 +1,6 @@
-"""The fused C++ decoder layer (kernels/csrc/decoder_layer.cpp), with float or int8 linears, gives bitwise the
-module path's results: the same sampled tokens and the same logprobs, to the last bit, over decodes, batches, small
-prefill chunks and steps with SDPA prompt spans (where it steps aside)."""
+"""The fused C++ decoder layer (kernels/csrc/decoder_layer.cpp), with float, bf16 pair or int8 linears, gives
+bitwise the module path's results: the same sampled tokens and the same logprobs, to the last bit, over decodes,
+batches, small prefill chunks and steps with SDPA prompt spans (where it steps aside)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.kernels.cpu import load_cpu_kernels
 from kvserve.layers.quant.int8_linear import Int8Linear
 from kvserve.models.llama import LlamaDecoderLayer
+from kvserve.platform import cpu_info
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="the C++ CPU kernels did not build here")
 
@@ -23,14 +24,30 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
     ]
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+def _bf16_pairs_here() -> bool:
+    kernels = load_cpu_kernels()
+    return cpu_info().native_bf16 and kernels is not None and kernels.linear_bf16_pairs_supported()
+
+
+@pytest.mark.parametrize(
+    "dtype,quantization",
+    [
+        ("float32", None),
+        ("float32", "int8"),
+        pytest.param(
+            "bfloat16",
+            None,
+            marks=pytest.mark.skipif(not _bf16_pairs_here(), reason="bf16 pair panels need AVX512-BF16"),
+        ),
+    ],
+)
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias-tied"])
-def test_fused_layer_is_bitwise_the_module_path(tiny_model_factory, name, quantization, monkeypatch):
+def test_fused_layer_is_bitwise_the_module_path(tiny_model_factory, name, dtype, quantization, monkeypatch):
     # 8-token chunks make small prefill chunks with cached context; the 300-token prompt's first chunk is too big
     # for the kernel (an SDPA span), so that step takes the module path for every row.
     llm = LLM(
         tiny_model_factory(name),
-        dtype="float32",
+        dtype=dtype,
         max_model_len=512,
         max_num_batched_tokens=300,
         quantization=quantization,
@@ -39,6 +56,8 @@ def test_fused_layer_is_bitwise_the_module_path(tiny_model_factory, name, quanti
     assert all(layer._fused is not None for layer in layers), "the fused layer should run this model"
     if quantization:
         assert isinstance(layers[0].mlp.down_proj, Int8Linear)
+    if dtype == "bfloat16":
+        assert layers[0].mlp.down_proj._panel_kind == "bf16_pairs"
     prompts = [[5 + i for i in range(40)], [9] * 7, [(i * 37) % 500 + 3 for i in range(300)], [11, 12, 13]]
     fused = _run(llm, prompts)
     monkeypatch.setattr(LlamaDecoderLayer, "use_fused", False)

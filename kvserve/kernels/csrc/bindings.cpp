@@ -16,6 +16,9 @@ bool packed_kv_supported(int64_t head_dim, int64_t group, int64_t block_size);
 int64_t linear_panel_width();
 at::Tensor pack_linear_weight(at::Tensor w);
 at::Tensor linear_packed(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
+bool linear_bf16_pairs_supported();
+at::Tensor pack_linear_weight_bf16_pairs(at::Tensor w);
+at::Tensor linear_bf16_pairs(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale);
 std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(at::Tensor x, c10::optional<at::Tensor> signs);
@@ -47,6 +50,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "w [N, K] -> kvserve's panel layout [P, K, panel width]");
   m.def("linear_packed", &linear_packed, "x @ w.T (+ bias) with w in the panel layout", py::arg("x"), py::arg("wp"),
         py::arg("n"), py::arg("bias") = py::none());
+  m.def("linear_bf16_pairs_supported", &linear_bf16_pairs_supported, "whether the bf16 pair-panel linear runs here");
+  m.def("pack_linear_weight_bf16_pairs", &pack_linear_weight_bf16_pairs,
+        "w [N, K] bf16 -> pair panels [P, K / 2, panel width, 2]");
+  m.def("linear_bf16_pairs", &linear_bf16_pairs, "x @ w.T (+ bias) with w in pair panels (AVX512-BF16)", py::arg("x"),
+        py::arg("wp"), py::arg("n"), py::arg("bias") = py::none());
   m.def("int8_quantize_rows", &int8_quantize_rows, "int8 linear input: rows (rotated per 64-block) to int8 codes",
         py::arg("x"), py::arg("signs") = py::none());
   m.def("int8_panel_width", &int8_panel_width, "output channels per panel of pack_int8_weight's layout");

@@ -1,6 +1,6 @@
 // One Llama-family decoder layer in a single call, for steps whose every query row goes through the paged
-// attention kernel (decodes and small prefill chunks) with weights in a panel layout (float: linear.cpp, int8:
-// int8_linear.cpp).
+// attention kernel (decodes and small prefill chunks) with weights in a panel layout (float: linear.cpp, bf16 pairs:
+// linear_bf16.cpp, int8: int8_linear.cpp).
 //
 // It runs the same kernels, on the same inputs, in the same order as the Python modules of models/llama.py
 // (LlamaDecoderLayer.forward), so its results are bitwise those of the module path; what it removes is the
@@ -17,6 +17,7 @@ at::Tensor silu_and_mul(at::Tensor x);
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
               bool packed);
 at::Tensor linear_packed(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
+at::Tensor linear_bf16_pairs(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
 at::Tensor int8_linear(at::Tensor x, at::Tensor panels, at::Tensor scale, at::Tensor colsum, int64_t n,
                        c10::optional<at::Tensor> signs, c10::optional<at::Tensor> bias, at::ScalarType out_dtype);
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
@@ -26,11 +27,12 @@ at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v
 
 namespace {
 
-// One linear layer as the module path runs it: [panels] (float panels, linear.cpp) or [panels, scale, colsum] /
-// [panels, scale, colsum, signs] (int8, int8_linear.cpp; signs when the codes are rotated). Output in x's dtype.
+// One linear layer as the module path runs it: [panels] (float panels [P, K, width], linear.cpp; bf16 pair panels
+// [P, K / 2, width, 2], linear_bf16.cpp) or [panels, scale, colsum] / [panels, scale, colsum, signs] (int8,
+// int8_linear.cpp; signs when the codes are rotated). Output in x's dtype.
 at::Tensor apply_linear(const at::Tensor& x, const std::vector<at::Tensor>& w, int64_t n,
                         c10::optional<at::Tensor> bias) {
-  if (w.size() == 1) return linear_packed(x, w[0], n, bias);
+  if (w.size() == 1) return w[0].dim() == 4 ? linear_bf16_pairs(x, w[0], n, bias) : linear_packed(x, w[0], n, bias);
   TORCH_CHECK(w.size() == 3 || w.size() == 4, "llama_decoder_layer: a linear is [panels] or int8 [panels, scale, "
               "colsum(, signs)]");
   return int8_linear(x, w[0], w[1], w[2], n, w.size() == 4 ? c10::optional<at::Tensor>(w[3]) : c10::nullopt, bias,

@@ -1,0 +1,237 @@
+// Linear layers for bf16 weights on CPUs with AVX512-BF16: y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), the
+// weight held once in a pair-panel layout that `vdpbf16ps` reads at every batch size.
+//
+// Pair panels: linear.cpp's panels (kNP weight rows per panel, k-major) with two consecutive k per row,
+// [num_panels, K / 2, kNP, 2] bf16. One 64-byte load is 16 weight rows x (k, k + 1); `vdpbf16ps` multiplies it by
+// a broadcast pair (x[k], x[k + 1]) and adds both products to 16 fp32 accumulators: twice the multiply-adds of an
+// fp32 FMA per instruction, and half the bytes of an fp32 weight.
+// - Batch 1 streams each panel front to back, several panels at once (independent accumulator chains), as
+//   linear.cpp does for fp32. oneDNN's packed bf16 GEMV reads its own layout at about a third of the machine's
+//   bandwidth (docs/benchmarks.md), which is why this layout exists.
+// - Batches run a register-tiled GEMM: kMR input rows x one panel of accumulators; each pair step loads kNV
+//   weight vectors and broadcasts kMR input pairs.
+// Every output sums its pairs in order from k = 0 (a k block resumes from the fp32 partial sums it stored), so a
+// row's result does not depend on the batch it is in. The input is bf16 (a bf16 model's activations already are).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "panel_loops.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace kvserve;
+
+constexpr int kPW = 16;        // weight rows per vector
+constexpr int kNV = 2;         // vectors per panel row
+constexpr int kNP = kNV * kPW;  // panel width: weight rows per panel
+
+#if defined(__AVX512BF16__)
+
+constexpr int kMR = 12;  // row tile: kMR x kNV accumulators + kNV weight vectors + one broadcast <= 32 registers
+static_assert(kMR * kNV + kNV + 1 <= 32, "row tile does not fit in the vector registers");
+
+inline __m512bh wload(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// (x[k], x[k + 1]) in every 32-bit lane.
+inline __m512bh xpair(const uint16_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, sizeof(v));
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+
+// Where a tile's sums go: fp32 partial sums while k blocks remain, then the output: sums + bias (fp32), rounded
+// to bf16 (nearest even, as c10::BFloat16) or kept fp32. Writing bf16 directly spares a full fp32 output and a
+// conversion pass, which for an LM head at batch 128 (25 MB of fp32 logits) cost more than the GEMM's own gap.
+struct Out {
+  float* partial;     // [M, N] fp32, used only between k blocks
+  uint16_t* out_bf16;  // [M, N] bf16 bits, or null
+  float* out_f32;      // [M, N] fp32 when out_bf16 is null
+  const float* bias;   // [N] or null
+  int64_t ldy;         // N
+};
+
+inline void store_row(const __m512* acc, const Out& o, int64_t row, int64_t col, int ncols, bool last) {
+  alignas(64) float tmp[kNP];
+  const int64_t at = row * o.ldy + col;
+  if (!last || !o.out_bf16) {
+    float* dst = last ? o.out_f32 + at : o.partial + at;
+    for (int v = 0; v < kNV; ++v) {
+      __m512 a = acc[v];
+      if (last && o.bias) {
+        const __mmask16 m = static_cast<__mmask16>(ncols >= (v + 1) * kPW ? 0xFFFF : (1u << std::max(0, ncols - v * kPW)) - 1);
+        a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(m, o.bias + col + v * kPW));
+      }
+      _mm512_storeu_ps(tmp + v * kPW, a);
+    }
+    std::copy(tmp, tmp + ncols, dst);
+    return;
+  }
+  alignas(64) uint16_t bits[kNP];
+  for (int v = 0; v < kNV; ++v) {
+    __m512 a = acc[v];
+    if (o.bias) {
+      const __mmask16 m = static_cast<__mmask16>(ncols >= (v + 1) * kPW ? 0xFFFF : (1u << std::max(0, ncols - v * kPW)) - 1);
+      a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(m, o.bias + col + v * kPW));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + v * kPW), (__m256i)_mm512_cvtneps_pbh(a));
+  }
+  std::copy(bits, bits + ncols, o.out_bf16 + at);
+}
+
+// Rows row0.. (MR of them) x one panel's pairs [k0, k0 + kp), columns col0.. (ncols): resumes from the partial
+// sums unless this is the first k block, and writes partial sums or, in the last block, the output.
+template <int MR>
+inline void row_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t kp, const Out& o, int64_t row0,
+                     int64_t col0, int ncols, bool first, bool last) {
+  __m512 acc[MR][kNV];
+  alignas(64) float tmp[kNP];
+  for (int i = 0; i < MR; ++i) {
+    if (first) {
+      for (int v = 0; v < kNV; ++v) acc[i][v] = _mm512_setzero_ps();
+      continue;
+    }
+    const float* src = o.partial + (row0 + i) * o.ldy + col0;
+    if (ncols < kNP) {
+      std::copy(src, src + ncols, tmp);
+      src = tmp;
+    }
+    for (int v = 0; v < kNV; ++v) acc[i][v] = _mm512_loadu_ps(src + v * kPW);
+  }
+  for (int64_t k = 0; k < kp; ++k) {
+    __m512bh w[kNV];
+    for (int v = 0; v < kNV; ++v) w[v] = wload(panel + (k * kNP + v * kPW) * 2);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh b = xpair(x + i * ldx + 2 * k);
+      for (int v = 0; v < kNV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], w[v], b);
+    }
+  }
+  for (int i = 0; i < MR; ++i) store_row(acc[i], o, row0 + i, col0, ncols, last);
+}
+
+template <int MR>
+inline void tail_tile(int rows, const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t kp, const Out& o,
+                      int64_t row0, int64_t col0, int ncols, bool first, bool last) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return row_tile<MR>(x, ldx, panel, kp, o, row0, col0, ncols, first, last);
+    tail_tile<MR - 1>(rows, x, ldx, panel, kp, o, row0, col0, ncols, first, last);
+  }
+}
+
+// One input row against NP consecutive panels (from column col0, ncols of them): NP x kNV independent
+// accumulator chains, NP streams.
+template <int NP>
+inline void gemv_panels(const uint16_t* x, const uint16_t* panels, int64_t kp, const Out& o, int64_t col0,
+                        int ncols) {
+  __m512 acc[NP][kNV];
+  for (int p = 0; p < NP; ++p)
+    for (int v = 0; v < kNV; ++v) acc[p][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kp; ++k) {
+    const __m512bh b = xpair(x + 2 * k);
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < kNV; ++v)
+        acc[p][v] = _mm512_dpbf16_ps(acc[p][v], wload(panels + ((p * kp + k) * kNP + v * kPW) * 2), b);
+  }
+  for (int p = 0; p < NP && p * kNP < ncols; ++p)
+    store_row(acc[p], o, 0, col0 + p * kNP, std::min(kNP, ncols - p * kNP), true);
+}
+
+void gemm_pairs(const uint16_t* x, const uint16_t* wp, const Out& o, int64_t M, int64_t N, int64_t K) {
+  const int64_t num_panels = cdiv(N, kNP);
+  const int64_t kp_total = K / 2;
+  if (M == 1) {
+    constexpr int kGP = 4;  // panels per gemv call
+    for_each_panel_group<kGP>(num_panels, N, kNP, [&](int64_t p, bool whole, int ncols) {
+      const uint16_t* panels = wp + p * K * kNP;
+      if (whole) gemv_panels<kGP>(x, panels, kp_total, o, p * kNP, ncols);
+      else gemv_panels<1>(x, panels, kp_total, o, p * kNP, ncols);
+    });
+    return;
+  }
+  // Blocks as in linear.cpp: input rows in blocks of ~256 KiB (L2); k in blocks of up to 288 pairs (an 18 KiB
+  // weight sub-panel stays in L1 across the block's row tiles) except for a few rows.
+  const int64_t kpc = M <= kMR ? kp_total : cdiv(kp_total, cdiv(kp_total, 288));
+  const int64_t mc = row_block_rows(M, K * static_cast<int64_t>(sizeof(uint16_t)), kMR);
+  at::parallel_for(0, num_panels, 1, [&](int64_t p_begin, int64_t p_end) {
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+      const int64_t mcur = std::min(mc, M - m0);
+      for (int64_t p = p_begin; p < p_end; ++p) {
+        const int ncols = static_cast<int>(std::min<int64_t>(kNP, N - p * kNP));
+        for (int64_t k0 = 0; k0 < kp_total; k0 += kpc) {
+          const int64_t kcur = std::min(kpc, kp_total - k0);
+          const bool first = k0 == 0, last = k0 + kcur == kp_total;
+          const uint16_t* panel = wp + (p * kp_total + k0) * kNP * 2;
+          const uint16_t* xp = x + m0 * K + 2 * k0;
+          int64_t i = 0;
+          for (; i + kMR <= mcur; i += kMR)
+            row_tile<kMR>(xp + i * K, K, panel, kcur, o, m0 + i, p * kNP, ncols, first, last);
+          if (i < mcur)
+            tail_tile<kMR - 1>(static_cast<int>(mcur - i), xp + i * K, K, panel, kcur, o, m0 + i, p * kNP, ncols,
+                               first, last);
+        }
+      }
+    }
+  });
+}
+
+#endif
+
+}  // namespace
+
+// Whether this build has the pair-panel kernels (AVX512-BF16).
+bool linear_bf16_pairs_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w [N, K] bf16, K even -> pair panels [ceil(N / kNP), K / 2, kNP, 2] bf16, zero rows past N.
+at::Tensor pack_linear_weight_bf16_pairs(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_linear_weight_bf16_pairs: w [N, K] bf16");
+  const int64_t N = w.size(0), K = w.size(1), P = cdiv(N, kNP);
+  TORCH_CHECK(K % 2 == 0, "pack_linear_weight_bf16_pairs: K must be even");
+  auto padded = at::zeros({P * kNP, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({P, kNP, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [M, K] (bf16, or converted to it); wp from pack_linear_weight_bf16_pairs; bias [N] or undefined. Returns [M, N]
+// in x's dtype.
+at::Tensor linear_bf16_pairs(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(linear_bf16_pairs_supported(), "linear_bf16_pairs: this build has no AVX512-BF16 kernels");
+  TORCH_CHECK(x.dim() == 2 && wp.dim() == 4 && wp.size(2) == kNP && wp.size(3) == 2 && x.size(1) == 2 * wp.size(1),
+              "linear_bf16_pairs: x [M, K], wp [P, K / 2, ", kNP, ", 2]");
+  TORCH_CHECK(wp.is_contiguous() && wp.scalar_type() == at::kBFloat16, "linear_bf16_pairs: contiguous bf16 wp");
+  TORCH_CHECK(n > (wp.size(0) - 1) * kNP && n <= wp.size(0) * kNP, "linear_bf16_pairs: n does not match the panels");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xb = x.to(at::kBFloat16).contiguous();
+  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+  auto y = at::empty({M, n}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
+  at::Tensor bias_f32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "linear_bf16_pairs: bias [N]");
+    bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+#if defined(__AVX512BF16__)
+  if (M > 0) {
+    // fp32 partial sums only where k is split in blocks (batched rows and K over 576).
+    at::Tensor partial;
+    if (M > kMR && K / 2 > 288) partial = at::empty({M, n}, x.options().dtype(at::kFloat));
+    const Out o{partial.defined() ? partial.data_ptr<float>() : nullptr,
+                out_bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr,
+                out_bf16 ? nullptr : y.data_ptr<float>(), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, n};
+    gemm_pairs(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), o, M, n, K);
+  }
+#endif
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
