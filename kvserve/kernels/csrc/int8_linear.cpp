@@ -222,24 +222,18 @@ void gemm_int8(const int8_t* xq, const float* row_scale, const int8_t* wp, const
   // Input rows in blocks (panel_loops.h); a panel (K x kNP bytes, 18-48 KiB here) stays in L1/L2 across the
   // block's row tiles.
   const int64_t mc = row_block_rows(M, ldx, kMR);
-  at::parallel_for(0, num_panels, 1, [&](int64_t p_begin, int64_t p_end) {
-    for (int64_t m0 = 0; m0 < M; m0 += mc) {
-      const int64_t mcur = std::min(mc, M - m0);
-      for (int64_t p = p_begin; p < p_end; ++p) {
-        const int ncols = static_cast<int>(std::min<int64_t>(kNP, N - p * kNP));
-        const int8_t* panel = wp + p * k4 * kNP * kQ;
-        const PanelEpilogue ep = epilogue(p);
-        TO* yp = y + m0 * N + p * kNP;
-        const int8_t* xp = xq + m0 * ldx;
-        const float* rs = row_scale + m0;
-        int64_t i = 0;
-        for (; i + kMR <= mcur; i += kMR)
-          row_tile<TO>(std::make_index_sequence<kMR>{}, xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N,
-                       ncols);
-        if (i < mcur)
-          tail_tile<TO>(static_cast<int>(mcur - i), xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N, ncols);
-      }
-    }
+  // One k block: the whole panel.
+  for_each_gemm_block(M, N, kNP, k4, k4, mc, [&](int64_t m0, int64_t mcur, int64_t p, int ncols, int64_t, int64_t) {
+    const int8_t* panel = wp + p * k4 * kNP * kQ;
+    const PanelEpilogue ep = epilogue(p);
+    TO* yp = y + m0 * N + p * kNP;
+    const int8_t* xp = xq + m0 * ldx;
+    const float* rs = row_scale + m0;
+    int64_t i = 0;
+    for (; i + kMR <= mcur; i += kMR)
+      row_tile<TO>(std::make_index_sequence<kMR>{}, xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N, ncols);
+    if (i < mcur)
+      tail_tile<TO>(static_cast<int>(mcur - i), xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N, ncols);
   });
 }
 

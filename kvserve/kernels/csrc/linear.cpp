@@ -115,24 +115,16 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
   // input rows, where each panel then streams front to back.
   const int64_t kc = M <= kMR ? K : cdiv(K, cdiv(K, 320));
   const int64_t mc = row_block_rows(M, K * static_cast<int64_t>(sizeof(float)), kMR);
-  at::parallel_for(0, num_panels, 1, [&](int64_t p_begin, int64_t p_end) {
-    for (int64_t m0 = 0; m0 < M; m0 += mc) {
-      const int64_t mcur = std::min(mc, M - m0);
-      for (int64_t p = p_begin; p < p_end; ++p) {
-        const int ncols = static_cast<int>(std::min<int64_t>(kNP, N - p * kNP));
-        float* yp = y + m0 * N + p * kNP;
-        for (int64_t k0 = 0; k0 < K; k0 += kc) {
-          const int64_t kcur = std::min(kc, K - k0);
-          const T* panel = wp + (p * K + k0) * kNP;
-          const float* xp = x + m0 * K + k0;
-          int64_t i = 0;
-          for (; i + kMR <= mcur; i += kMR) row_tile<kMR>(xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0);
-          if (i < mcur)
-            tail_tile<kMR - 1>(static_cast<int>(mcur - i), xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0);
-        }
-      }
-    }
-  });
+  const auto block = [&](int64_t m0, int64_t mcur, int64_t p, int ncols, int64_t k0, int64_t kcur) {
+    float* yp = y + m0 * N + p * kNP;
+    const T* panel = wp + (p * K + k0) * kNP;
+    const float* xp = x + m0 * K + k0;
+    int64_t i = 0;
+    for (; i + kMR <= mcur; i += kMR) row_tile<kMR>(xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0);
+    if (i < mcur)
+      tail_tile<kMR - 1>(static_cast<int>(mcur - i), xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0);
+  };
+  for_each_gemm_block(M, N, kNP, K, kc, mc, block);
 }
 
 }  // namespace

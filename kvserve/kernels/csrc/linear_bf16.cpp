@@ -58,6 +58,9 @@ struct Out {
   int64_t ldy;         // N
 };
 
+// The first n lanes of a vector (all 16 from n = 16 on, none below 1).
+inline __mmask16 lanes(int n) { return static_cast<__mmask16>(n >= kPW ? 0xFFFF : (1u << std::max(0, n)) - 1); }
+
 inline void store_row(const __m512* acc, const Out& o, int64_t row, int64_t col, int ncols, bool last) {
   alignas(64) float tmp[kNP];
   const int64_t at = row * o.ldy + col;
@@ -65,10 +68,7 @@ inline void store_row(const __m512* acc, const Out& o, int64_t row, int64_t col,
     float* dst = last ? o.out_f32 + at : o.partial + at;
     for (int v = 0; v < kNV; ++v) {
       __m512 a = acc[v];
-      if (last && o.bias) {
-        const __mmask16 m = static_cast<__mmask16>(ncols >= (v + 1) * kPW ? 0xFFFF : (1u << std::max(0, ncols - v * kPW)) - 1);
-        a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(m, o.bias + col + v * kPW));
-      }
+      if (last && o.bias) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(lanes(ncols - v * kPW), o.bias + col + v * kPW));
       _mm512_storeu_ps(tmp + v * kPW, a);
     }
     std::copy(tmp, tmp + ncols, dst);
@@ -77,10 +77,7 @@ inline void store_row(const __m512* acc, const Out& o, int64_t row, int64_t col,
   alignas(64) uint16_t bits[kNP];
   for (int v = 0; v < kNV; ++v) {
     __m512 a = acc[v];
-    if (o.bias) {
-      const __mmask16 m = static_cast<__mmask16>(ncols >= (v + 1) * kPW ? 0xFFFF : (1u << std::max(0, ncols - v * kPW)) - 1);
-      a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(m, o.bias + col + v * kPW));
-    }
+    if (o.bias) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(lanes(ncols - v * kPW), o.bias + col + v * kPW));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + v * kPW), (__m256i)_mm512_cvtneps_pbh(a));
   }
   std::copy(bits, bits + ncols, o.out_bf16 + at);
@@ -159,26 +156,18 @@ void gemm_pairs(const uint16_t* x, const uint16_t* wp, const Out& o, int64_t M, 
   // weight sub-panel stays in L1 across the block's row tiles) except for a few rows.
   const int64_t kpc = M <= kMR ? kp_total : cdiv(kp_total, cdiv(kp_total, 288));
   const int64_t mc = row_block_rows(M, K * static_cast<int64_t>(sizeof(uint16_t)), kMR);
-  at::parallel_for(0, num_panels, 1, [&](int64_t p_begin, int64_t p_end) {
-    for (int64_t m0 = 0; m0 < M; m0 += mc) {
-      const int64_t mcur = std::min(mc, M - m0);
-      for (int64_t p = p_begin; p < p_end; ++p) {
-        const int ncols = static_cast<int>(std::min<int64_t>(kNP, N - p * kNP));
-        for (int64_t k0 = 0; k0 < kp_total; k0 += kpc) {
-          const int64_t kcur = std::min(kpc, kp_total - k0);
-          const bool first = k0 == 0, last = k0 + kcur == kp_total;
-          const uint16_t* panel = wp + (p * kp_total + k0) * kNP * 2;
-          const uint16_t* xp = x + m0 * K + 2 * k0;
-          int64_t i = 0;
-          for (; i + kMR <= mcur; i += kMR)
-            row_tile<kMR>(xp + i * K, K, panel, kcur, o, m0 + i, p * kNP, ncols, first, last);
-          if (i < mcur)
-            tail_tile<kMR - 1>(static_cast<int>(mcur - i), xp + i * K, K, panel, kcur, o, m0 + i, p * kNP, ncols,
-                               first, last);
-        }
-      }
-    }
-  });
+  const auto block = [&](int64_t m0, int64_t mcur, int64_t p, int ncols, int64_t k0, int64_t kcur) {
+    const bool first = k0 == 0, last = k0 + kcur == kp_total;
+    const uint16_t* panel = wp + (p * kp_total + k0) * kNP * 2;
+    const uint16_t* xp = x + m0 * K + 2 * k0;
+    int64_t i = 0;
+    for (; i + kMR <= mcur; i += kMR)
+      row_tile<kMR>(xp + i * K, K, panel, kcur, o, m0 + i, p * kNP, ncols, first, last);
+    if (i < mcur)
+      tail_tile<kMR - 1>(static_cast<int>(mcur - i), xp + i * K, K, panel, kcur, o, m0 + i, p * kNP, ncols, first,
+                         last);
+  };
+  for_each_gemm_block(M, N, kNP, kp_total, kpc, mc, block);
 }
 
 #endif
