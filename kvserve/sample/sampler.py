@@ -102,7 +102,7 @@ class Sampler:
             logits = logits.clone()
             for row, token_ids in md.banned_tokens:
                 logits[row, token_ids] = float("-inf")
-        if md.repetition_penalty is not None or md.presence_penalty is not None:
+        if md.repetition_penalty is not None or md.presence_penalty is not None or md.frequency_penalty is not None:
             logits = apply_penalties(logits, md)
         return logits
 

@@ -200,6 +200,18 @@ def test_penalties_follow_vllm_semantics():
     torch.testing.assert_close(got, torch.tensor([[-0.25, -4.75, 1.0, 0.25, 3.0]]))
 
 
+@pytest.mark.parametrize("penalty", ["frequency_penalty", "presence_penalty", "repetition_penalty"])
+def test_each_penalty_applies_on_its_own(penalty):
+    """The metadata leaves the neutral penalties None: any one of them alone must still apply."""
+    logits = torch.tensor([[3.0, 2.0, 0.0]])
+    value = torch.tensor([2.0])
+    extra = {"prompt_token_ids": [[]]} if penalty == "repetition_penalty" else {}
+    out = Sampler()(
+        logits, md(1, all_greedy=True, temperature=None, output_token_ids=[[0]], **{penalty: value}, **extra)
+    )
+    assert out.sampled_token_ids.item() == 1  # token 0 was generated: penalized below token 1
+
+
 def test_banned_tokens_are_never_drawn(sampler):
     logits = torch.tensor([[5.0, 0.0, 0.0]]).repeat(2000, 1)
     out = sampler(logits, md(2000, banned_tokens=[(i, [0]) for i in range(2000)])).sampled_token_ids
