@@ -13,9 +13,10 @@ Stages:
               tests/conftest.py: fp32 must be token-identical (CUDA graphs on and off); bf16 reports the first
               divergent position per prompt.
 - roofline:   batch-1 decode of a Llama-3-8B-shaped model with random bf16 weights (load_format dummy): time per
-              decode step, against weight bytes / measured copy bandwidth; CUDA graphs on and off.
+              decode step, against weight bytes / measured copy bandwidth; in each of MODES (CUDA graphs, CUDA
+              graphs with async scheduling, eager).
 - throughput: the nano-vllm workload (256 requests, prompt and output lengths uniform in 100..1024, ignore_eos,
-              temperature 0.6) on a Qwen3-0.6B-shaped random bf16 model: kvserve with CUDA graphs on and off, and
+              temperature 0.6) on a Qwen3-0.6B-shaped random bf16 model: kvserve in each of MODES, and
               HF transformers `generate` (static batches of 64) on the same GPU in the same run, over the first
               --hf-requests (128) of the same requests: its rate, output tokens per second, is the comparison.
 
@@ -58,6 +59,9 @@ KERNEL_TESTS = [
 ]
 GPU_PARTS_TESTS = ["tests/worker/test_gpu_parts.py"]
 DEVICE = "cuda"  # "cpu" with --smoke
+# Engine modes of the perf stages: CUDA graphs; graphs with async scheduling (the host schedules and launches step
+# N+1 while the GPU runs step N); eager.
+MODES = ("graphs", "graphs-async", "eager")
 # --smoke: tiny stand-ins for the measured shapes (random weights, as there).
 SMOKE_SHAPES = {"llama3-8b": "tiny-llama", "qwen3-0.6b": "tiny-qwen3"}
 
@@ -371,7 +375,8 @@ def stage_roofline(res: dict, args) -> None:
     folder = write_model_folder(tempfile.mkdtemp(prefix="kvserve-llama3-8b-"), shape("llama3-8b"))
     prompt = [100 + i for i in range(128)]
     out: dict = {"model": "llama3-8b shape, random bf16 weights", "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
-    for graphs in (mode == "graphs" for mode in args.roofline_modes):
+    for mode in args.roofline_modes:
+        graphs = mode != "eager"
         llm = LLM(
             folder,
             load_format="dummy",
@@ -380,11 +385,12 @@ def stage_roofline(res: dict, args) -> None:
             max_model_len=2048,
             max_num_seqs=8,
             enforce_eager=not graphs,
+            async_scheduling=mode.endswith("-async"),
         )
         weight_bytes = weights_read_per_step(llm.engine.engine_core.runner.model)
         step = decode_step_time(llm, prompt, args.roofline_short, args.roofline_long)
         floor = weight_bytes / bandwidth
-        key = "graphs" if graphs else "eager"
+        key = mode
         out[key] = {
             "step_ms": round(step * 1e3, 3),
             "weight_GB": round(weight_bytes / 1e9, 3),
@@ -420,7 +426,8 @@ def stage_throughput(res: dict, args) -> None:
         "prompt_tokens": sum(r.prompt_len for r in requests),
         "output_tokens": sum(r.output_len for r in requests),
     }
-    for graphs in (mode == "graphs" for mode in args.throughput_modes):
+    for mode in args.throughput_modes:
+        graphs = mode != "eager"
         llm = LLM(
             folder,
             load_format="dummy",
@@ -430,12 +437,13 @@ def stage_throughput(res: dict, args) -> None:
             max_num_seqs=256,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enforce_eager=not graphs,
+            async_scheduling=mode.endswith("-async"),
         )
         run_kvserve(llm, warm, "warmup", 0.6)
         timer = llm.engine.engine_core.timer
         timer.enabled = True  # a few clock reads per step: where the step goes, host phases against the GPU's
         timer.reset()
-        r = run_kvserve(llm, requests, f"kvserve ({'graphs' if graphs else 'eager'})", 0.6)
+        r = run_kvserve(llm, requests, f"kvserve ({mode})", 0.6)
         timer.enabled = False
         out[r.name] = {"seconds": round(r.seconds, 2), "output_tok_s": round(r.output_tokens_per_s, 1)}
         out[r.name]["steps"] = timer.steps
@@ -463,6 +471,10 @@ def stage_throughput(res: dict, args) -> None:
             "num_requests": len(hf_requests),
         }
         log(f"throughput {r.name}: {out[r.name]}")
+    if "kvserve (graphs)" in out and "kvserve (graphs-async)" in out:
+        out["speedup_async_vs_graphs"] = round(
+            out["kvserve (graphs-async)"]["output_tok_s"] / out["kvserve (graphs)"]["output_tok_s"], 3
+        )
     best_hf = max(v["output_tok_s"] for k, v in out.items() if k.startswith("hf-generate"))
     if "kvserve (graphs)" in out:
         out["speedup_graphs_vs_best_hf"] = round(out["kvserve (graphs)"]["output_tok_s"] / best_hf, 2)
@@ -490,7 +502,7 @@ def summary(res: dict) -> str:
             cells = " ".join(f"{k}={'same' if v['identical'] else v['first_divergence']}" for k, v in row.items())
             lines.append(f"parity {name}: {cells}")
     if "roofline" in res:
-        for key in ("graphs", "eager"):
+        for key in MODES:
             r = res["roofline"].get(key)
             if r:
                 lines.append(
@@ -512,7 +524,7 @@ def summary(res: dict) -> str:
         t = res["throughput"]
         lines.append(
             f"speedup kvserve graphs / best HF: {t.get('speedup_graphs_vs_best_hf')}x; graphs / eager: "
-            f"{t.get('speedup_graphs_vs_eager')}x"
+            f"{t.get('speedup_graphs_vs_eager')}x; async / graphs: {t.get('speedup_async_vs_graphs')}x"
         )
     for stage, err in res.get("errors", {}).items():
         lines.append(f"ERROR in {stage}: {err.splitlines()[-1] if err else ''}")
@@ -534,8 +546,8 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--roofline-short", type=int, default=64)
     p.add_argument("--roofline-long", type=int, default=576)
-    p.add_argument("--throughput-modes", nargs="+", choices=("graphs", "eager"), default=["graphs", "eager"])
-    p.add_argument("--roofline-modes", nargs="+", choices=("graphs", "eager"), default=["graphs", "eager"])
+    p.add_argument("--throughput-modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--roofline-modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--tests-timeout", type=int, default=420)
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_suite.json")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the suite, measures nothing")

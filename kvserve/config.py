@@ -82,6 +82,9 @@ class SchedulerConfig:
     # What a preempted request loses: "recompute" (its blocks are freed, its prefill redone) or "swap" (its
     # blocks are copied to the swap space and back; recompute when the swap space is full).
     preemption_mode: str = "recompute"
+    # Schedule step N+1 while step N runs (vLLM's async scheduling): each request in flight counts one
+    # placeholder token for the output it is producing, and the runner feeds that token from the device.
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,8 @@ class Request:
         # the moving average of the fraction of drafts accepted (starts optimistic).
         self.spec_token_ids: list[int] = []
         self.spec_acceptance_ema = 1.0
+        # Async scheduling: tokens being sampled by steps in flight, not yet in all_token_ids.
+        self.num_output_placeholders = 0
 
         self.block_size = block_size
         salt = self.sampling_params.cache_salt

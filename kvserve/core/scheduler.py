@@ -21,6 +21,14 @@ after its last step) is scheduled 1 + k tokens, and its KV slots are allocated f
 `all_token_ids` are ever hashed, so blocks holding drafts enter the prefix cache only once accepted tokens fill
 them. After verification the computed count moves back by the number of rejected drafts; their slots are
 overwritten by later steps.
+
+Async scheduling (`async_scheduling`): the engine core schedules step N+1 before step N's tokens are back, so
+that the host's work overlaps the device's. A request that samples in a step gets an output placeholder: one
+token it will have, counted as known, which step N+1 may already compute (the runner feeds it from the device).
+The placeholder turns into a real token when N's output arrives. Placeholders are never hashed (only
+`all_token_ids` is). A request whose in-flight token reaches max_tokens or max_model_len is not scheduled again;
+one that stops on EOS or a stop id has computed one step for nothing, whose output is dropped. A request
+preempted while its step is in flight still takes that step's token (it was computed from a valid context).
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ class Scheduler:
         num_swap_blocks: int = 0,
     ) -> None:
         self.config = config
+        self.async_scheduling = config.async_scheduling
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -164,7 +173,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_known = request.num_tokens - request.num_computed_tokens
+            if request.num_output_placeholders and self._ends_in_flight(request):
+                i += 1
+                continue
+            num_known = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
             assert num_known > 0, f"running request {request.request_id} has nothing to compute"
             num_new = min(num_known + num_drafts.get(request.request_id, 0), budget)
             lookahead = self._lookahead(request.num_computed_tokens + num_new)
@@ -263,7 +275,12 @@ class Scheduler:
 
         # Advance at schedule time: the step in flight is responsible for these tokens now.
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + (
+                request.num_output_placeholders
+            ):
+                request.num_output_placeholders += 1  # it samples in this step
 
         # A request both preempted and rescheduled in one step cannot happen (no admissions after preemption),
         # so the runner can drop every preempted id before adding new requests.
@@ -328,8 +345,13 @@ class Scheduler:
             if not token_ids:
                 continue
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran, or its synchronous load failed
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran (a failed synchronous load has no tokens)
+            if self.async_scheduling:
+                # Zero already when the request was preempted after the step was scheduled.
+                request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
+            was_running = request.status == RequestStatus.RUNNING
+            was_swapped = request.status == RequestStatus.SWAPPED
             drafts = spec_scheduled.get(req_id)
             if drafts:
                 num_accepted = len(token_ids) - 1
@@ -354,7 +376,13 @@ class Scheduler:
             if request.is_finished:
                 output.finish_reason = request.status.finish_reason
                 output.stop_reason = request.stop_reason
-                self.running.remove(request)
+                if was_running:
+                    self.running.remove(request)
+                else:  # async: preempted while its last step was in flight
+                    self.waiting.remove(request)
+                    if was_swapped:
+                        assert self.swap is not None
+                        self.swap.drop(req_id)
                 self._free_request(request)
             elif runner_output.spec_token_ids is not None and self.spec_config is not None:
                 request.spec_token_ids = runner_output.spec_token_ids[idx][: self._max_drafts(request)]
@@ -379,6 +407,15 @@ class Scheduler:
         return False
 
     # ---------------------------------------------------------------- helpers
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Async: the tokens in flight take the request to max_tokens or max_model_len, so it finishes when they
+        arrive and must not be scheduled again (its next position may not even exist)."""
+        num_placeholders = request.num_output_placeholders
+        return (
+            request.num_output_tokens + num_placeholders >= request.max_tokens
+            or request.num_tokens + num_placeholders >= self.config.max_model_len
+        )
 
     def _lookahead(self, num_tokens_after_step: int) -> int:
         """KV slots a model proposer writes past the step's tokens: its K draft steps (none for n-gram, which
@@ -412,6 +449,7 @@ class Scheduler:
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.num_output_placeholders = 0  # the step in flight still delivers its token (update_from_output)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

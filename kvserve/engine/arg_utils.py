@@ -108,6 +108,9 @@ class EngineArgs:
     memory and comes back; recompute when that is full). swap_space: bytes or "4GiB" (default 1 GiB with swap).
     kv_transfer_config: a KV connector, a dict (or its JSON) such as {"kv_connector": "offload", "cpu_bytes":
     "2GiB", "disk_path": "/tmp/kv", "disk_bytes": "20GiB"} (kvserve/kv_transfer).
+    async_scheduling: schedule the next step while the current one runs, so that the host's work (scheduling,
+    inputs, launches) overlaps the device's; outputs come one step later. Off by default; not with speculative
+    decoding, a KV connector or TP > 1.
     tensor_parallel_size: ranks the model is split over (heads, MLP columns, vocabulary).
     distributed_executor_backend: where the ranks run: "uniproc" (in the engine process; TP=1 only), "mp" (worker
     processes on this machine) or "ray" (Ray actors; a Ray cluster's machines); None: uniproc for TP=1, else mp.
@@ -142,6 +145,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: int | str | None = None
     kv_transfer_config: dict | str | None = None
+    async_scheduling: bool = False
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     worker_timeout_s: float | None = None
@@ -240,6 +244,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
+            async_scheduling=bool(self.async_scheduling),
         )
         spec = self.speculative_config
         if isinstance(spec, str):
@@ -254,6 +259,18 @@ class EngineArgs:
         if speculative is not None and speculative.method != "ngram":
             speculative = replace(speculative, draft=draft_model_config(speculative, model))
         self._check_device_options(model, speculative)
+        if self.async_scheduling:
+            refused = [
+                name
+                for name, on in (
+                    ("speculative decoding", speculative is not None),
+                    ("a KV connector (kv_transfer_config)", kv_transfer is not None),
+                    ("tensor_parallel_size > 1 or a non-uniproc executor", self._backend() != "uniproc"),
+                )
+                if on
+            ]
+            if refused:
+                raise ValueError(f"async_scheduling does not work with {' or '.join(refused)} yet")
         return EngineConfig(
             model=model,
             cache=cache,
@@ -287,11 +304,14 @@ class EngineArgs:
         if unsupported:
             raise ValueError(f"device {model.device}: not supported on the GPU yet: {'; '.join(unsupported)}")
 
+    def _backend(self) -> str:
+        return self.distributed_executor_backend or ("uniproc" if self.tensor_parallel_size == 1 else "mp")
+
     def _parallel_config(self, arch, quantization: str | None, speculative: SpeculativeConfig | None) -> ParallelConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
-        backend = self.distributed_executor_backend or ("uniproc" if tp == 1 else "mp")
+        backend = self._backend()
         if backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got {backend!r}"
@@ -495,6 +515,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=["recompute", "swap"],
         default=None,
         help="what a preempted request loses: recompute (default) or swap (its KV goes to --swap-space and back)",
+    )
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while the current one runs (the host's work overlaps the GPU's; outputs come "
+        "one step later); not with speculative decoding, a KV connector or TP > 1",
     )
     g.add_argument("--swap-space", default=None, help="CPU memory for swap preemption, e.g. 4GiB (default 1GiB)")
     g.add_argument(

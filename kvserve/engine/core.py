@@ -1,4 +1,8 @@
-"""EngineCore: the schedule -> execute -> update loop. No I/O; the frontend or a process wrapper drives it."""
+"""EngineCore: the schedule -> execute -> update loop. No I/O; the frontend or a process wrapper drives it.
+
+With async scheduling a step schedules and launches step N+1, then updates from step N's output: the scheduler
+runs while the device still computes, and each step's outputs come one call later.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import logging
 from dataclasses import asdict, replace
 
 from kvserve.config import EngineConfig
+from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.spec_decode import SpecDecodingStats
 from kvserve.engine.messages import CoreStats
@@ -39,6 +44,8 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._in_flight: SchedulerOutput | None = None  # async: the launched step whose output is not back
         connector, num_swap_blocks = None, 0
         if config.kv_transfer is not None or config.scheduler.preemption_mode == "swap":
             # Validation keeps both to the uniproc executor, whose runner is in this process.
@@ -71,10 +78,10 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_unfinished_requests():
+        if not self.has_unfinished_requests():
             return []
         if self.thread_adapter is not None:
             num_threads = self.thread_adapter.poll()
@@ -84,9 +91,21 @@ class EngineCore:
         timer.steps += 1
         with timer.phase("schedule"):
             scheduler_output = self.scheduler.schedule()
+        if self.async_scheduling:
+            return self._step_async(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         with timer.phase("update"):
             return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_async(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        previous, self._in_flight = self._in_flight, None if scheduler_output.is_empty else scheduler_output
+        runner_output = self.executor.execute_model_async(scheduler_output)
+        if previous is None:
+            assert runner_output is None, "the runner returned an output for no step"
+            return []
+        assert runner_output is not None, "the runner lost the step in flight"
+        with self.timer.phase("update"):
+            return self.scheduler.update_from_output(previous, runner_output)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

@@ -38,6 +38,11 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank (the SchedulerOutput sent once to each); the driver's output."""
 
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Async scheduling: launch this step and return the output of the step launched before it (None when
+        there was none). Only where the runner is in this process (the engine's options check it)."""
+        raise NotImplementedError(f"async scheduling needs the uniproc executor, not {type(self).__name__}")
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers; idempotent, bounded even when a worker hangs."""

@@ -28,6 +28,9 @@ class UniprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.worker.execute_model_async(scheduler_output)
+
     def check_health(self) -> None:
         pass  # it is this process
 

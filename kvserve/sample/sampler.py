@@ -48,6 +48,11 @@ class SamplingMetadata:
     # (row, token ids) pairs whose tokens are forbidden this step (stop tokens before min_tokens).
     banned_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
     max_num_logprobs: int | None = None  # top-N to return; None when no row asked
+    # What the builder knows on the host about the tensors above; None: read from the tensors, which on a GPU
+    # waits for everything queued before (with async scheduling, the next step's forward pass).
+    any_greedy: bool | None = None  # some rows have temperature 0
+    any_temperature: bool | None = None  # some rows have a temperature other than 0 and 1
+    max_top_k: int | None = None  # top_k.max()
 
 
 @dataclass
@@ -88,7 +93,7 @@ class Sampler:
             keys = self.draw_keys(md, logits.shape[0]).to(logits.device)
             sampled = self.gumbel(self.apply_transforms(logits, md), keys)
             greedy_rows = self.greedy_rows(md)
-            if bool(greedy_rows.any()):
+            if md.any_greedy if md.any_greedy is not None else bool(greedy_rows.any()):
                 sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
         out = SamplerOutput(sampled_token_ids=sampled)
         if raw_logprobs is not None:
@@ -112,12 +117,12 @@ class Sampler:
         a random row draws from. Greedy rows get temperature 1 here (their pick is the argmax instead)."""
         assert md.temperature is not None
         temp = torch.where(md.temperature == 0, 1.0, md.temperature)
-        if not bool((temp == 1.0).all()):
+        if md.any_temperature if md.any_temperature is not None else not bool((temp == 1.0).all()):
             logits = logits / temp[:, None]
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
         if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
         return logits
 
     @staticmethod
@@ -188,12 +193,14 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int | None = None
+) -> torch.Tensor:
     """Keep the k most likely tokens (ties with the k-th kept too), then the smallest set of most likely tokens
-    whose probability mass reaches p (at least one token always survives)."""
+    whose probability mass reaches p (at least one token always survives). `max_top_k`: top_k.max() if known."""
     if top_p is None:
         assert top_k is not None
-        kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).clamp(min=0)[:, None])
+        kth = logits.topk(max_top_k or int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).clamp(min=0)[:, None])
         return logits.masked_fill(logits < kth, float("-inf"))
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     if top_k is not None:

@@ -72,6 +72,9 @@ class DecodeGraphRunner:
         self.metadata = {n: backend.decode_graph_metadata(self.buffers, n, max_model_len) for n in sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # Recorded after the last step's copies out of the pinned staging buffers. With async scheduling the host
+        # prepares step N+1 while those copies may still wait in the stream behind step N's work.
+        self._staged: torch.cuda.Event | None = None
 
     def padded_size(self, inputs: AttentionInputs) -> int | None:
         """The graph size for this step, or None when it must run eagerly (not decode-only, or too large)."""
@@ -108,9 +111,19 @@ class DecodeGraphRunner:
             time.perf_counter() - start,
         )
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, inputs: AttentionInputs, size: int) -> torch.Tensor:
-        """The step's hidden states [n, hidden] (a view valid until the next run)."""
+    def run(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        inputs: AttentionInputs,
+        size: int,
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The step's hidden states [n, hidden] (a view valid until the next run). `fill` = (indices, token ids
+        on the device): input ids that the previous step is still producing (async scheduling)."""
         n = len(input_ids)
+        if self._staged is not None:
+            self._staged.synchronize()  # the staging buffers are free again
         host = self.host_tokens.numpy()
         host[0, :n] = input_ids
         host[1, :n] = positions
@@ -118,6 +131,11 @@ class DecodeGraphRunner:
         for row in range(2):  # contiguous pieces, so that the copies from pinned memory stay asynchronous
             self.tokens[row, :n].copy_(self.host_tokens[row, :n], non_blocking=True)
         self.backend.fill_decode_buffers(self.buffers, inputs, size)
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        if fill is not None:
+            self.tokens[0][fill[0]] = fill[1]
         if self.use_graphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]

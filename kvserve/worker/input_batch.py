@@ -31,6 +31,9 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Async scheduling: the row's last token (at num_tokens - 1) is still being sampled by the step in flight;
+        # its index among that step's sampled tokens, or -1 when the row's tokens are all on the host.
+        self.pending = np.full(max_num_reqs, -1, dtype=np.int64)
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.states: dict[str, RequestState] = {}
 
@@ -44,6 +47,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
+        self.pending[row] = -1
         self._append_blocks(row, new.block_ids)
         self.states[new.req_id] = RequestState(
             new.req_id, row, len(new.prompt_token_ids), new.sampling_params, new.eos_token_ids
@@ -57,6 +61,7 @@ class InputBatch:
     def remove(self, req_id: str) -> None:
         state = self.states.pop(req_id, None)
         if state is not None:
+            self.pending[state.row] = -1
             self._free_rows.append(state.row)
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:

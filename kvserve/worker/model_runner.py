@@ -12,6 +12,12 @@ sampler keeps the accepted drafts plus one token. The proposer then drafts the n
 request that produced tokens; a model proposer (draft model, EAGLE: kvserve.spec_decode.model_proposer) also sees
 the step's layout and the target's last hidden states, and hands its draft distributions q to the next
 verification.
+
+Async scheduling (execute_model_async): the engine core hands over step N+1 before it has read step N's tokens.
+The runner launches N+1 with the tokens N is still sampling taken from the device (InputBatch.pending), then
+reads N's tokens on the host, and only then builds N+1's sampling inputs (penalties and seeds see them). On a GPU
+the host thus prepares and launches N+1 while N runs; on the CPU every call is synchronous and only the order
+changes.
 """
 
 from __future__ import annotations
@@ -74,6 +80,21 @@ class _StepInputs:
     attn_inputs: AttentionInputs
     attn_metadata: Any  # None when the step replays a CUDA graph (its metadata lives in the graph's buffers)
     graph_size: int | None  # the padded batch size of the CUDA graph this step replays, or None (eager)
+    token_rows: np.ndarray  # [T] InputBatch row of each token
+
+
+@dataclass
+class _InFlight:
+    """A launched step (async scheduling) whose sampled tokens the host has not read yet."""
+
+    req_ids: list[str]  # the step's requests, in batch order
+    sample_idx: np.ndarray  # indices into req_ids of those that sample
+    states: list[RequestState]  # theirs, in order
+    positions: np.ndarray  # where each sampled token goes in its request's row
+    sampled: torch.Tensor | None  # [S] on the device (None: no request samples)
+    host: torch.Tensor | None  # [S] on the host, valid once `ready` has passed
+    ready: torch.cuda.Event | None
+    out: SamplerOutput | None
 
 
 class ModelRunner:
@@ -132,6 +153,7 @@ class ModelRunner:
         # the same draws on any device.
         self.generator = torch.Generator().manual_seed(model_config.seed)
         self.graphs: DecodeGraphRunner | None = None  # with the KV cache, on a GPU
+        self._in_flight: _InFlight | None = None  # async scheduling: the last launched step
         self.batch = InputBatch(
             scheduler_config.max_num_seqs,
             model_config.max_model_len,
@@ -323,12 +345,7 @@ class ModelRunner:
                 return ModelRunnerOutput([], [], kv_connector_output=self.kv_transfer.after_forward(so))
             step = self._prepare_inputs(so, num_scheduled)
         with timer.phase("forward"):
-            if step.graph_size is not None:
-                assert self.graphs is not None
-                hidden = self.graphs.run(step.input_ids, step.positions, step.attn_inputs, step.graph_size)
-            else:
-                ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
-                hidden = self.model(ids, positions, self.kv_caches, step.attn_metadata)
+            hidden = self._forward(step)
         batch = self.batch
         batch.num_computed_tokens[step.rows] = step.seq_lens
         sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
@@ -353,6 +370,105 @@ class ModelRunner:
         return ModelRunnerOutput(
             step.req_ids, sampled_lists, logprobs_lists if has_logprobs else None, spec_token_ids, kv_connector_output
         )
+
+    @torch.inference_mode()
+    def execute_model_async(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch `so`'s step; return the output of the step launched before it (None if there was none). An
+        empty `so` launches nothing and only returns that output. Without speculative decoding or a KV
+        connector (the engine's options refuse them together)."""
+        timer = self.timer
+        assert self.kv_transfer is not None, "initialize_kv_cache comes first"
+        assert self.proposer is None and self.kv_transfer.connector is None
+        with timer.phase("prepare_inputs"):
+            self._apply_scheduler_output(so)
+            self.kv_transfer.before_forward(so)  # swaps only: no connector, so no failed loads
+            if so.is_empty:
+                return self._finish_in_flight()
+            step = self._prepare_inputs(so, so.num_scheduled_tokens)
+            fill = self._in_flight_inputs(step)
+        with timer.phase("forward"):
+            hidden = self._forward(step, fill)
+        self.batch.num_computed_tokens[step.rows] = step.seq_lens
+        logits = None
+        if len(step.sample_idx):
+            with timer.phase("logits"):
+                last = step.query_start_loc[1:][step.sample_idx] - 1
+                logits = self.model.compute_logits(hidden[self._to_device(last)])
+        with timer.phase("sample"):
+            # Before this step's sampling inputs: the previous step's tokens count in its penalties and seeds.
+            previous = self._finish_in_flight()
+            self._in_flight = self._launch_sample(step, logits)
+        return previous
+
+    def _in_flight_inputs(self, step: _StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token indices, token ids on the device) for the step's inputs that the step in flight is sampling."""
+        in_flight = self._in_flight
+        if in_flight is None or in_flight.sampled is None:
+            return None
+        batch = self.batch
+        src = batch.pending[step.token_rows]
+        dst = np.flatnonzero((src >= 0) & (step.positions == batch.num_tokens[step.token_rows] - 1))
+        if not len(dst):
+            return None
+        return self._to_device(dst), in_flight.sampled[self._to_device(src[dst])]
+
+    def _launch_sample(self, step: _StepInputs, logits: torch.Tensor | None) -> _InFlight:
+        """Queue the step's sampling and the copy of its tokens to the host; the tokens count in the rows now
+        (num_tokens), their values arrive in _finish_in_flight."""
+        batch = self.batch
+        states = [step.states[i] for i in step.sample_idx]
+        rows = step.rows[step.sample_idx]
+        positions = batch.num_tokens[rows].copy()
+        if logits is None:
+            return _InFlight(step.req_ids, step.sample_idx, states, positions, None, None, None, None)
+        metadata = build_sampling_metadata(states, batch, self.vocab_size, self.generator, device=self.device)
+        out = self.sampler(logits, metadata)
+        sampled, host, ready = out.sampled_token_ids, out.sampled_token_ids, None
+        if self.on_gpu:
+            host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            host.copy_(sampled, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        batch.num_tokens[rows] += 1
+        batch.pending[rows] = np.arange(len(rows))
+        return _InFlight(step.req_ids, step.sample_idx, states, positions, sampled, host, ready, out)
+
+    def _finish_in_flight(self) -> ModelRunnerOutput | None:
+        """Wait for the launched step's tokens, write them into the rows still held by the same requests, and
+        return its output."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return None
+        sampled_lists: list[list[int]] = [[] for _ in in_flight.req_ids]
+        logprobs_lists: list = [None] * len(in_flight.req_ids)
+        if in_flight.host is not None:
+            if in_flight.ready is not None:
+                in_flight.ready.synchronize()
+            tokens = in_flight.host.numpy().tolist()
+            batch = self.batch
+            for j, i in enumerate(in_flight.sample_idx.tolist()):
+                state = in_flight.states[j]
+                # A request finished or preempted since has left its row (maybe to another request).
+                if batch.states.get(state.req_id) is state:
+                    batch.token_ids[state.row, in_flight.positions[j]] = tokens[j]
+                    batch.pending[state.row] = -1
+                sampled_lists[i] = [tokens[j]]
+            out = in_flight.out
+            if out is not None and out.logprobs is not None:
+                ones = np.ones(len(in_flight.states), dtype=np.int64)
+                self._collect_logprobs(out, in_flight.sample_idx, in_flight.states, ones, ones, logprobs_lists)
+        has_logprobs = any(x is not None for x in logprobs_lists)
+        return ModelRunnerOutput(in_flight.req_ids, sampled_lists, logprobs_lists if has_logprobs else None)
+
+    def _forward(self, step: _StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The step's hidden states; `fill` = (token indices, ids on the device) overrides input ids."""
+        if step.graph_size is not None:
+            assert self.graphs is not None
+            return self.graphs.run(step.input_ids, step.positions, step.attn_inputs, step.graph_size, fill)
+        ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
+        if fill is not None:
+            ids[fill[0]] = fill[1]
+        return self.model(ids, positions, self.kv_caches, step.attn_metadata)
 
     def _sample(
         self, step: _StepInputs, logits: torch.Tensor, num_logits: np.ndarray, sampled_lists: list, logprobs_lists: list
@@ -498,6 +614,7 @@ class ModelRunner:
             attn_inputs=attn_inputs,
             attn_metadata=attn_metadata,
             graph_size=graph_size,
+            token_rows=token_rows,
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

@@ -42,6 +42,7 @@ def build_sampling_metadata(
             if stop_ids:
                 banned.append((i, stop_ids))
 
+    top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     use_penalties = any(
         p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1 for p in params
     )
@@ -50,13 +51,7 @@ def build_sampling_metadata(
     return SamplingMetadata(
         all_greedy=all_greedy,
         temperature=torch.tensor(temps, dtype=torch.float32, device=device) if sampling else None,
-        top_k=_unless_all(
-            [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
-            vocab_size,
-            torch.int64,
-            sampling,
-            device,
-        ),
+        top_k=_unless_all(top_ks, vocab_size, torch.int64, sampling, device),
         top_p=_unless_all([float(p.top_p) for p in params], 1.0, torch.float32, sampling, device),
         min_p=_unless_all([float(p.min_p) for p in params], 0.0, torch.float32, sampling, device),
         seeds=seeds,
@@ -72,6 +67,10 @@ def build_sampling_metadata(
         prompt_token_ids=[batch.prompt_token_ids(s) for s in states] if use_penalties else None,
         banned_tokens=banned,
         max_num_logprobs=max(logprob_counts) if logprob_counts else None,
+        # Known here: the sampler need not read them back from the device.
+        any_greedy=any(t == 0.0 for t in temps),
+        any_temperature=any(t not in (0.0, 1.0) for t in temps),
+        max_top_k=max(top_ks, default=None),
     )
 
 

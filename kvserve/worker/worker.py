@@ -69,6 +69,10 @@ class Worker:
         output = self.runner.execute_model(scheduler_output)
         return output if self.rank == 0 else None
 
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Async scheduling (one rank): launch this step, return the previous one's output."""
+        return self.runner.execute_model_async(scheduler_output)
+
     def check_health(self) -> int:
         return os.getpid()
 

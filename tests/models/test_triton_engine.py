@@ -94,9 +94,9 @@ def test_greedy_matches_hf_through_decode_graph_buffers(model_and_references):
     replays = []
     run = runner.graphs.run
 
-    def counting_run(input_ids, positions, inputs, size):
+    def counting_run(input_ids, positions, inputs, size, fill=None):
         replays.append((len(input_ids), size))
-        return run(input_ids, positions, inputs, size)
+        return run(input_ids, positions, inputs, size, fill)
 
     runner.graphs.run = counting_run
     check(llm, prompts[:3], refs[:3], rounds=1)
@@ -108,6 +108,30 @@ def test_greedy_matches_hf_through_decode_graph_buffers(model_and_references):
     for o, r, n in zip(outs, refs[:3], (NUM_TOKENS, 3, 7), strict=True):
         assert o.outputs[0].token_ids == r[:n]
     assert any(n < size for n, size in replays)
+    assert_all_blocks_free(llm)
+
+
+def test_async_scheduling_through_decode_graph_buffers(model_and_references):
+    """Async scheduling feeds each decode step's input token from the device (the previous step's sample)
+    into the graph's persistent buffers: greedy tokens still equal HF's."""
+    path, prompts, refs = model_and_references
+    llm = make_llm(path, max_num_seqs=6, async_scheduling=True)
+    runner = llm.engine.engine_core.runner
+    if DEVICE == "cpu":
+        runner.graphs = runner.build_decode_graphs(capture=False)
+    fills = []
+    run = runner.graphs.run
+
+    def counting_run(input_ids, positions, inputs, size, fill=None):
+        fills.append(0 if fill is None else len(fill[0]))
+        return run(input_ids, positions, inputs, size, fill)
+
+    runner.graphs.run = counting_run
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (NUM_TOKENS, 3, 7, 5)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for o, r, n in zip(outs, refs, (NUM_TOKENS, 3, 7, 5), strict=True):
+        assert o.outputs[0].token_ids == r[:n]
+    assert fills and max(fills) == 4  # every decode row's token came from the device
     assert_all_blocks_free(llm)
 
 

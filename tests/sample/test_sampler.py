@@ -268,3 +268,25 @@ def test_extreme_logits_never_yield_out_of_range_tokens(sampler):
     logits[3] = float("inf")
     out = sampler(logits, md(5)).sampled_token_ids
     assert ((out >= 0) & (out < 50)).all()
+
+
+@pytest.mark.parametrize("temps", [[0.0, 0.7, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.5, 0.5, 2.0, 1.0]])
+def test_host_flags_give_the_same_draws_as_reading_the_tensors(temps):
+    """The runner's metadata carries any_greedy / any_temperature / max_top_k from the host (no device reads);
+    the draws must equal those decided from the tensors."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    top_k = torch.tensor([5, 50, 3, 50])
+
+    def draw(**flags):
+        meta = md(4, temperature=torch.tensor(temps), top_k=top_k, generator=torch.Generator().manual_seed(2), **flags)
+        return Sampler(use_kernel=False)(logits, meta).sampled_token_ids
+
+    flags = dict(
+        any_greedy=any(t == 0 for t in temps),
+        any_temperature=any(t not in (0.0, 1.0) for t in temps),
+        max_top_k=50,
+    )
+    assert torch.equal(draw(**flags), draw())
+    # The flags are what decide: claiming no greedy rows turns the greedy rows' argmax off.
+    if flags["any_greedy"]:
+        assert not torch.equal(draw(**{**flags, "any_greedy": False}), draw())

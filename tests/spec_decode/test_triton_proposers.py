@@ -77,9 +77,9 @@ def test_eagle_after_decode_steps_replayed_from_graph_buffers(target_path, eagle
     replays = []
     run = runner.graphs.run
 
-    def counting_run(input_ids, positions, inputs, size):
+    def counting_run(input_ids, positions, inputs, size, fill=None):
         replays.append(size)
-        return run(input_ids, positions, inputs, size)
+        return run(input_ids, positions, inputs, size, fill)
 
     runner.graphs.run = counting_run
     steps = count()

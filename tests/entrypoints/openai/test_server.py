@@ -343,3 +343,39 @@ def test_int8_server_matches_offline_int8(model_path):
             assert got.choices[0].text == ref.outputs[0].text
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def test_async_scheduling_server_matches_offline_and_frees_everything(model_path):
+    """`--async-scheduling` through the server: concurrent requests get the synchronous engine's greedy text, a
+    client that hangs up mid-stream is aborted with a step in flight, and the engine ends idle."""
+    prompts = [f"Story number {i}:" for i in range(8)]
+    lengths = [5 + 3 * i for i in range(8)]
+    llm = LLM(model_path, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    offline = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    srv = Server(model_path, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--async-scheduling")
+    try:
+
+        async def one(client, prompt, n):
+            out = await client.completions.create(
+                model=model_path, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True}
+            )
+            return out.choices[0].text
+
+        async def all_of_them():
+            client = srv.async_client()
+            return await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths, strict=True)))
+
+        assert asyncio.run(all_of_them()) == offline
+        body = {"model": model_path, "prompt": "Long story", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and json.loads(line[5:])["choices"][0]["text"]:
+                    break
+        deadline = time.time() + 5.0
+        while time.time() < deadline and srv.metric("kvserve:num_requests_running") != 0:
+            time.sleep(0.05)
+        assert srv.metric("kvserve:num_requests_running") == 0
+        assert srv.metric("kvserve:kv_cache_usage_perc") == 0
+    finally:
+        assert srv.stop() == 0, srv.log()
