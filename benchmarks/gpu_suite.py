@@ -10,8 +10,8 @@ Stages:
               and EAGLE speculation included), on CUDA (pytest; CUDA graphs captured for real), with a synthetic
               tokenizer (KVSERVE_TEST_TOKENIZER=synthetic).
 - parity:     greedy tokens of kvserve vs HF transformers, both on the GPU, on the tiny random models of
-              tests/conftest.py: fp32 must be token-identical (CUDA graphs on and off); bf16 reports the first
-              divergent position per prompt.
+              tests/conftest.py: fp32 must be token-identical (CUDA graphs on and off, and with async scheduling);
+              bf16 reports the first divergent position per prompt.
 - roofline:   batch-1 decode of a Llama-3-8B-shaped model with random bf16 weights (load_format dummy): time per
               decode step, against weight bytes / measured copy bandwidth; in each of MODES (CUDA graphs, CUDA
               graphs with async scheduling, eager).
@@ -239,7 +239,9 @@ def stage_parity(res: dict, args) -> None:
             if not smoke:
                 torch.cuda.empty_cache()
             params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
-            for graphs in (True, False):
+            # Async scheduling must not change a token: checked where parity is exact (fp32).
+            modes = ("graphs", "eager", "graphs-async") if dtype == "float32" else ("graphs", "eager")
+            for mode in modes:
                 llm = LLM(
                     folder,
                     dtype=dtype,
@@ -247,11 +249,12 @@ def stage_parity(res: dict, args) -> None:
                     max_model_len=512,
                     max_num_seqs=16,
                     kv_cache_memory=1 << 30,
-                    enforce_eager=not graphs,
+                    enforce_eager=mode == "eager",
+                    async_scheduling=mode.endswith("-async"),
                 )
                 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
                 divs = [first_divergence(o.outputs[0].token_ids, r) for o, r in zip(outs, refs, strict=True)]
-                key = f"{dtype}-{'graphs' if graphs else 'eager'}"
+                key = f"{dtype}-{mode}"
                 row[key] = {"identical": all(d is None for d in divs), "first_divergence": divs}
                 llm.shutdown()
                 del llm

@@ -29,6 +29,7 @@ def test_every_stage_runs_on_the_cpu(tmp_path):
     # fp32 on the CPU is the engine's own parity check: token-identical to HF.
     for row in res["parity"].values():
         assert row["float32-eager"]["identical"] and row["float32-graphs"]["identical"], row
+        assert row["float32-graphs-async"]["identical"], row
     for mode in ("graphs", "graphs-async", "eager"):
         assert {"step_ms", "roofline_ms", "fraction_of_roofline"} <= set(res["roofline"][mode])
     assert res["throughput"]["kvserve (graphs-async)"]["output_tok_s"] > 0

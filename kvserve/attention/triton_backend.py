@@ -109,7 +109,9 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits = num_splits_for(num_reqs * self.num_kv_heads, max_len, self.tile_n, self.target_programs)
         parts = [qsl, seq_lens, prog_req, prog_qstart, inputs.slot_mapping, inputs.block_table[:, :width].ravel()]
         host = np.concatenate([np.asarray(p, dtype=np.int32).ravel() for p in parts])
-        packed = torch.from_numpy(host).to(self.device)
+        # Not blocking: a blocking copy would first wait for the steps queued on the GPU (async scheduling
+        # prepares a step while the one before runs). `host` is pageable and staged before the call returns.
+        packed = torch.from_numpy(host).to(self.device, non_blocking=True)
         views, start = [], 0
         for p in parts:
             views.append(packed[start : start + p.size])

@@ -90,7 +90,7 @@ class Sampler:
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            keys = self.draw_keys(md, logits.shape[0]).to(logits.device)
+            keys = to_device(self.draw_keys(md, logits.shape[0]), logits.device)
             sampled = self.gumbel(self.apply_transforms(logits, md), keys)
             greedy_rows = self.greedy_rows(md)
             if md.any_greedy if md.any_greedy is not None else bool(greedy_rows.any()):
@@ -105,8 +105,9 @@ class Sampler:
         """What every row sees, greedy ones too: banned tokens (stops before min_tokens) and penalties."""
         if md.banned_tokens:
             logits = logits.clone()
-            for row, token_ids in md.banned_tokens:
-                logits[row, token_ids] = float("-inf")
+            rows = torch.tensor([row for row, token_ids in md.banned_tokens for _ in token_ids], dtype=torch.int64)
+            cols = torch.tensor([t for _, token_ids in md.banned_tokens for t in token_ids], dtype=torch.int64)
+            logits[to_device(rows, logits.device), to_device(cols, logits.device)] = float("-inf")
         if md.repetition_penalty is not None or md.presence_penalty is not None or md.frequency_penalty is not None:
             logits = apply_penalties(logits, md)
         return logits
@@ -236,6 +237,13 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: a blocking copy to a GPU first waits for all
+    work queued on the stream (with async scheduling, the next step's forward pass). The source is staged before
+    the call returns, so the host may free or reuse it."""
+    return t.to(device, non_blocking=True)
+
+
 def _token_counts(token_ids: list[list[int]], b: int, vocab: int, device: torch.device) -> torch.Tensor:
     """[B, V] fp32 occurrence counts of each token id per row, on `device`."""
     width = max((len(t) for t in token_ids), default=0)
@@ -245,7 +253,7 @@ def _token_counts(token_ids: list[list[int]], b: int, vocab: int, device: torch.
     for row, toks in enumerate(token_ids):
         if toks:
             ids[row, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
-    ids = ids.to(device)
+    ids = to_device(ids, device)
     padded = torch.zeros(b, vocab + 1, dtype=torch.float32, device=device)
     padded.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return padded[:, :vocab]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.sample.sampler import SamplingMetadata
+from kvserve.sample.sampler import SamplingMetadata, to_device
 from kvserve.worker.input_batch import InputBatch, RequestState
 
 
@@ -50,7 +50,7 @@ def build_sampling_metadata(
     sampling = not all_greedy
     return SamplingMetadata(
         all_greedy=all_greedy,
-        temperature=torch.tensor(temps, dtype=torch.float32, device=device) if sampling else None,
+        temperature=to_device(torch.tensor(temps, dtype=torch.float32), device) if sampling else None,
         top_k=_unless_all(top_ks, vocab_size, torch.int64, sampling, device),
         top_p=_unless_all([float(p.top_p) for p in params], 1.0, torch.float32, sampling, device),
         min_p=_unless_all([float(p.min_p) for p in params], 0.0, torch.float32, sampling, device),
@@ -79,4 +79,4 @@ def _unless_all(
 ) -> torch.Tensor | None:
     if not enabled or all(v == neutral for v in values):
         return None
-    return torch.tensor(values, dtype=dtype, device=device)
+    return to_device(torch.tensor(values, dtype=dtype), device)

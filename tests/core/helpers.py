@@ -6,7 +6,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
 from kvserve.outputs import EngineCoreOutput, ModelRunnerOutput
-from kvserve.request import EngineCoreRequest, Request
+from kvserve.request import EngineCoreRequest, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
 EOS = 0
@@ -26,9 +26,16 @@ def make_scheduler(
     max_model_len: int = 256,
     enable_prefix_caching: bool = True,
     enable_chunked_prefill: bool = True,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill),
+        SchedulerConfig(
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            enable_chunked_prefill,
+            async_scheduling=async_scheduling,
+        ),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_blocks,
     )
@@ -101,6 +108,36 @@ def run_to_completion(
     else:
         raise AssertionError("requests did not finish")
     return outputs, history
+
+
+def run_async_to_completion(
+    scheduler: Scheduler, requests: list[Request], abort: dict[int, list[str]] | None = None, max_steps: int = 10_000
+) -> dict[str, list[int]]:
+    """The engine core's async loop: step N+1 is scheduled (and run) before step N's output updates the scheduler.
+    The fake runner computes at once but its output is handed over one step late. `abort`: step -> request ids
+    aborted just before that step is scheduled."""
+    assert scheduler.async_scheduling
+    for r in requests:
+        scheduler.add_request(r)
+    runner = FakeRunner()
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    in_flight = None
+    for step in range(max_steps):
+        if in_flight is None and not scheduler.has_unfinished_requests():
+            break
+        if abort and step in abort:
+            scheduler.finish_requests(abort[step], RequestStatus.FINISHED_ABORTED)
+        so = scheduler.schedule()
+        assert so.total_num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
+        assert len(scheduler.running) <= scheduler.config.max_num_seqs
+        ro = runner.execute(so)  # an empty step still tells the runner what to forget
+        previous, in_flight = in_flight, (None if so.is_empty else (so, ro))
+        if previous is not None:
+            for out in scheduler.update_from_output(*previous):
+                outputs[out.request_id].extend(out.new_token_ids)
+    else:
+        raise AssertionError("requests did not finish")
+    return outputs
 
 
 def preempted_per_step(history: list[SchedulerOutput]) -> list[set[str]]:
