@@ -2,7 +2,8 @@
 request, the difference of a 288-token and a 32-token run over 256 steps (prefill and start-up cancel), three
 times; then three of `kvserve bench roofline`'s steady-state batch-1 points in the same engine.
 
-Run: `PYTHONPATH=. .venv/bin/python benchmarks/decode_step.py [label]` (PYTHONPATH=<other checkout> to compare).
+Run: `PYTHONPATH=. .venv/bin/python benchmarks/decode_step.py [label] [--async-scheduling]` (PYTHONPATH=<other
+checkout> to compare).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.benchmarks.roofline import decode_throughput
 
 
-def main(label: str) -> None:
-    llm = LLM(max_model_len=1024)
+def main(label: str, async_scheduling: bool) -> None:
+    llm = LLM(max_model_len=1024, async_scheduling=async_scheduling)
     prompt = {"prompt_token_ids": list(range(100, 228))}
 
     def run(n: int) -> float:
@@ -35,4 +36,5 @@ def main(label: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "kvserve")
+    args = [a for a in sys.argv[1:] if a != "--async-scheduling"]
+    main(args[0] if args else "kvserve", "--async-scheduling" in sys.argv[1:])
