@@ -55,6 +55,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # The KV connector's plain-dataclass message to its worker side (kvserve.kv_transfer.base), or None.
     kv_connector_metadata: Any = None
+    # The scheduler's number for the step: its output is matched to the requests scheduled in it, not just to
+    # their ids (async scheduling: an id may be reused by a new request while the old one's step is in flight).
+    step_id: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -95,6 +95,9 @@ class Scheduler:
         self._saving: dict[str, Request] = {}
         # Requests scheduled in this step with a synchronous load (the tokens computed before it).
         self._sync_loads: dict[str, int] = {}
+        # step_id -> the requests scheduled in that step, until its output is in.
+        self._num_steps = 0
+        self._step_requests: dict[int, dict[str, Request]] = {}
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -273,6 +276,9 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
+        self._num_steps += 1
+        if num_scheduled:
+            self._step_requests[self._num_steps] = {req_id: self.requests[req_id] for req_id in num_scheduled}
         # Advance at schedule time: the step in flight is responsible for these tokens now.
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
@@ -297,6 +303,7 @@ class Scheduler:
             spec_draft_limits=self._draft_limits(),
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
+            step_id=self._num_steps,
         )
         if self.connector is not None:
             so.kv_connector_metadata = self.connector.build_connector_meta(so, self.requests)
@@ -340,13 +347,16 @@ class Scheduler:
             self._update_from_connector(runner_output.kv_connector_output)
         logprobs = runner_output.logprobs
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
+        step_requests = self._step_requests.pop(scheduler_output.step_id, {})
         for idx, req_id in enumerate(runner_output.req_ids):
             token_ids = runner_output.sampled_token_ids[idx]
             if not token_ids:
                 continue
             request = self.requests.get(req_id)
-            if request is None or request.is_finished:
-                continue  # aborted while the step ran (a failed synchronous load has no tokens)
+            if request is None or request.is_finished or step_requests.get(req_id, request) is not request:
+                # Aborted while the step ran, and maybe its id taken by a new request since (async). A failed
+                # synchronous load has no tokens.
+                continue
             if self.async_scheduling:
                 # Zero already when the request was preempted after the step was scheduled.
                 request.num_output_placeholders = max(0, request.num_output_placeholders - 1)

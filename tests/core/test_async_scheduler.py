@@ -98,3 +98,29 @@ def test_aborts_with_a_step_in_flight_free_everything():
         if r.request_id not in aborted:
             assert outputs[r.request_id] == reference_output(r.prompt_token_ids, r.max_tokens)
     assert_no_leak(s)
+
+
+def test_an_id_reused_while_the_aborted_requests_step_is_in_flight_gets_none_of_its_tokens():
+    from kvserve.request import RequestStatus
+    from tests.core.helpers import FakeRunner
+
+    s = make_scheduler(async_scheduling=True)
+    old = make_request("x", [5, 6, 7], max_tokens=8)
+    new = make_request("x", [9, 10, 11, 12], max_tokens=6)
+    s.add_request(old)
+    runner, in_flight, outputs = FakeRunner(), None, []
+    for step in range(100):
+        if in_flight is None and not s.has_unfinished_requests():
+            break
+        if step == 3:  # old's step is in flight: abort it, and reuse its id at once
+            s.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
+            s.add_request(new)
+        so = s.schedule()
+        ro = runner.execute(so)
+        previous, in_flight = in_flight, (None if so.is_empty else (so, ro))
+        if previous is not None:
+            for out in s.update_from_output(*previous):
+                if step >= 3:
+                    outputs.extend(out.new_token_ids)
+    assert outputs == reference_output(new.prompt_token_ids, 6)
+    assert_no_leak(s)
