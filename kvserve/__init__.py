@@ -23,18 +23,28 @@ _EXPORTS = {
     "LLM": "kvserve.engine.llm",
     "EngineArgs": "kvserve.engine.arg_utils",
     "SamplingParams": "kvserve.sampling_params",
+    "StructuredOutputsParams": "kvserve.sampling_params",
     "RequestOutput": "kvserve.outputs",
     "CompletionOutput": "kvserve.outputs",
     "Logprob": "kvserve.outputs",
 }
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = [
+    "LLM",
+    "EngineArgs",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from kvserve.engine.arg_utils import EngineArgs
     from kvserve.engine.llm import LLM
     from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -42,6 +42,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # Set on a request's first output only: when the scheduler first admitted it (for queue-time metrics).
     first_scheduled_time: float | None = None
+    # Finished because its structured output is complete: the last token is content, not a stop token to hide.
+    grammar_completed: bool = False
 
     @property
     def finished(self) -> bool:

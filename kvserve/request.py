@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.core.hashing import BlockHash, extend_block_hashes
 from kvserve.sampling_params import SamplingParams
@@ -84,6 +85,9 @@ class Request:
         self.spec_acceptance_ema = 1.0
         # Async scheduling: tokens being sampled by steps in flight, not yet in all_token_ids.
         self.num_output_placeholders = 0
+        # Structured outputs: the parser of its grammar (kvserve.structured_output.matcher.RequestGrammar), set by
+        # the engine core; None for an unconstrained request.
+        self.grammar: Any = None
 
         self.block_size = block_size
         salt = self.sampling_params.cache_salt

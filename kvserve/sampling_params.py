@@ -5,9 +5,55 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from typing import Any
 
 _MAX_TOP_LOGPROBS = 20
 _MAX_TEMPERATURE = 1e4
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's StructuredOutputsParams): exactly one of
+
+    - `json`: a JSON schema (a dict, or its JSON text);
+    - `regex`: a regular expression the whole output matches;
+    - `choice`: a list of strings, the output being one of them;
+    - `grammar`: a Lark grammar (llguidance's dialect), or a GBNF one (recognised by its `::=`);
+    - `json_object=True`: any JSON object (OpenAI's `response_format={"type": "json_object"}`).
+
+    Checked here for shape only; the grammar itself is compiled, and refused with a ValueError, by the frontend
+    (kvserve.structured_output.grammar).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutputsParams needs exactly one of json, regex, choice, grammar or json_object, got "
+                + (", ".join(given) if given else "none")
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"StructuredOutputsParams.json must be a JSON schema (dict or str), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice:
+                raise ValueError(f"StructuredOutputsParams.choice must be a non-empty list, got {self.choice!r}")
+            for c in self.choice:
+                if not isinstance(c, str) or not c:
+                    raise ValueError(f"StructuredOutputsParams.choice must hold non-empty strings, got {c!r}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"StructuredOutputsParams.json_object must be a boolean, got {self.json_object!r}")
 
 
 @dataclass
@@ -44,6 +90,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Extra key mixed into the first block hash, so tenants who must not share cached prefixes don't.
     cache_salt: str | None = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (kvserve.structured_output).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -99,6 +147,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise bad("stop_token_ids", f"must be a list of non-negative integers, got {t!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", f"must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -55,6 +55,11 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # The KV connector's plain-dataclass message to its worker side (kvserve.kv_transfer.base), or None.
     kv_connector_metadata: Any = None
+    # Structured outputs: the constrained requests that sample in this step, and the tokens each may sample
+    # (kvserve.structured_output.matcher: int32 words, `grammar_bitmask_words` per request, in this order).
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: bytes | None = None
+    grammar_bitmask_words: int = 0
     # The scheduler's number for the step: its output is matched to the requests scheduled in it, not just to
     # their ids (async scheduling: an id may be reused by a new request while the old one's step is in flight).
     step_id: int = 0

@@ -29,14 +29,21 @@ The placeholder turns into a real token when N's output arrives. Placeholders ar
 `all_token_ids` is). A request whose in-flight token reaches max_tokens or max_model_len is not scheduled again;
 one that stops on EOS or a stop id has computed one step for nothing, whose output is dropped. A request
 preempted while its step is in flight still takes that step's token (it was computed from a valid context).
+
+Structured outputs: a constrained request carries its grammar's parser (`Request.grammar`). Each step the
+scheduler asks the engine core's StructuredOutputManager for the tokens that may come next for those that sample,
+and sends that bitmask with the step; each token it appends advances the parser. A request whose grammar is
+complete finishes ("stop") without waiting for an EOS. Constrained requests verify no drafts.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -47,6 +54,8 @@ from kvserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 from kvserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.utils import cdiv
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,6 +81,7 @@ class Scheduler:
         spec_config: SpeculativeConfig | None = None,
         connector: KVConnectorScheduler | None = None,
         num_swap_blocks: int = 0,
+        structured_output: Any = None,
     ) -> None:
         self.config = config
         self.async_scheduling = config.async_scheduling
@@ -87,6 +97,8 @@ class Scheduler:
         self.spec_policy = SpecDecodePolicy(spec_config) if spec_config is not None else None
         self.spec_stats = SpecDecodingStats()
         self.connector = connector
+        # kvserve.structured_output.matcher.StructuredOutputManager (fills the step's bitmask), or None.
+        self.structured_output = structured_output
         self.swap = SwapManager(num_swap_blocks) if config.preemption_mode == "swap" else None
         # WAITING_FOR_REMOTE_KVS requests (and aborted ones whose load is still in flight), with the number of
         # external tokens being loaded for each.
@@ -288,6 +300,7 @@ class Scheduler:
             ):
                 request.num_output_placeholders += 1  # it samples in this step
 
+        grammar_req_ids, grammar_bitmask = self._grammar_bitmask(num_scheduled)
         # A request both preempted and rescheduled in one step cannot happen (no admissions after preemption),
         # so the runner can drop every preempted id before adding new requests.
         finished = self._finished_req_ids | preempted
@@ -303,6 +316,9 @@ class Scheduler:
             spec_draft_limits=self._draft_limits(),
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
+            structured_output_request_ids=grammar_req_ids,
+            grammar_bitmask=grammar_bitmask,
+            grammar_bitmask_words=self.structured_output.num_words if grammar_bitmask else 0,
             step_id=self._num_steps,
         )
         if self.connector is not None:
@@ -320,7 +336,7 @@ class Scheduler:
         for request in sorted(decodes, key=lambda r: -r.spec_acceptance_ema):
             if budget <= 0:
                 break
-            if request.spec_token_ids:
+            if request.spec_token_ids and request.grammar is None:
                 n = min(len(request.spec_token_ids), policy.limit(request.spec_acceptance_ema, len(decodes)), budget)
                 plan[request.request_id] = n
                 budget -= n
@@ -331,12 +347,16 @@ class Scheduler:
         (the step's own verification may still move the EMA: a request recovering gets its full K one step
         later), where it is below num_speculative_tokens."""
         policy = self.spec_policy
-        if policy is None or not policy.config.adaptive:
+        if policy is None:
             return {}
+        # Constrained requests verify no drafts (_plan_drafts): a draft model need not propose for them.
+        constrained = {r.request_id: 0 for r in self.running if r.grammar is not None}
+        if not policy.config.adaptive:
+            return constrained
         k = policy.config.num_speculative_tokens
         num_decodes = len(self.running)
         limits = {r.request_id: policy.limit(r.spec_acceptance_ema, num_decodes) for r in self.running}
-        return {req_id: n for req_id, n in limits.items() if n < k}
+        return {req_id: n for req_id, n in limits.items() if n < k} | constrained
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -369,16 +389,21 @@ class Scheduler:
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self._record_drafts(request, len(drafts), num_accepted)
             new_token_ids: list[int] = []
+            grammar_completed = False
             for token_id in token_ids:
                 request.append_output_token_id(token_id)
                 new_token_ids.append(token_id)
                 if self._check_stop(request):
+                    break
+                if request.grammar is not None and self._grammar_ends(request):
+                    grammar_completed = request.status == RequestStatus.FINISHED_STOPPED
                     break
             output = EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_token_ids,
                 new_logprobs=logprobs[idx][: len(new_token_ids)] if logprobs and logprobs[idx] else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                grammar_completed=grammar_completed,
             )
             if not request.has_reported:
                 output.first_scheduled_time = request.first_scheduled_time
@@ -415,6 +440,32 @@ class Scheduler:
             request.stop_reason = last
             return True
         return False
+
+    def _grammar_ends(self, request: Request) -> bool:
+        """Advance the request's grammar by its last token: True when that completes the output (or, against the
+        mask, breaks the grammar: the request then ends with "abort" rather than run on unconstrained)."""
+        if not request.grammar.accept(request.output_token_ids[-1]):
+            logger.warning("request %s: token refused by its grammar: %s", request.request_id, request.grammar.error)
+            request.status = RequestStatus.FINISHED_ABORTED
+            return True
+        if request.grammar.is_terminated:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
+
+    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> tuple[list[str], bytes | None]:
+        """The constrained requests that sample in this step (all their known tokens computed) and their bitmask."""
+        if self.structured_output is None:
+            return [], None
+        sampling = [
+            self.requests[req_id]
+            for req_id in num_scheduled
+            if self.requests[req_id].grammar is not None
+            and self.requests[req_id].num_computed_tokens >= self.requests[req_id].num_tokens
+        ]
+        if not sampling:
+            return [], None
+        return [r.request_id for r in sampling], self.structured_output.fill_bitmask([r.grammar for r in sampling])
 
     # ---------------------------------------------------------------- helpers
 

@@ -19,6 +19,7 @@ from kvserve.kv_transfer.factory import create_scheduler_connector
 from kvserve.outputs import EngineCoreOutput
 from kvserve.profiling import StepTimer
 from kvserve.request import EngineCoreRequest, Request, RequestStatus
+from kvserve.structured_output.matcher import StructuredOutputManager
 from kvserve.thread_adapt import ThreadAdapter
 from kvserve.threads import affinity_cpus, apply_thread_plan, plan_threads
 
@@ -53,6 +54,7 @@ class EngineCore:
             num_swap_blocks = runner.num_swap_blocks
             if config.kv_transfer is not None:
                 connector = create_scheduler_connector(config.kv_transfer, runner.kv_connector_info)
+        self.structured_output = StructuredOutputManager(config.model.tokenizer, config.model.arch.vocab_size)
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
@@ -60,6 +62,7 @@ class EngineCore:
             config.speculative,
             connector=connector,
             num_swap_blocks=num_swap_blocks,
+            structured_output=self.structured_output,
         )
 
     @property
@@ -72,7 +75,14 @@ class EngineCore:
         return self.scheduler.max_tokens_per_request
 
     def add_request(self, core_req: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(core_req, self.config.cache.block_size))
+        request = Request(core_req, self.config.cache.block_size)
+        constraint = core_req.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.async_scheduling:
+                # Step N+1's mask needs step N's token, which async scheduling does not wait for.
+                raise ValueError("structured outputs are not supported with async scheduling")
+            request.grammar = self.structured_output.new_grammar(constraint, core_req.eos_token_ids)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -42,8 +42,15 @@ class LLMEngine:
         seqs = fan_out(request_id, params)
         core_reqs = [self.processor.make_core_request(sid, prompt_ids, p, arrival_time) for sid, p in seqs]
         self.output_processor.add_request(request_id, prompt_text, prompt_ids, seqs, output_kind, arrival_time)
-        for core_req in core_reqs:
-            self.engine_core.add_request(core_req)
+        added: list[str] = []
+        try:
+            for core_req in core_reqs:
+                self.engine_core.add_request(core_req)  # may still refuse one (ValueError)
+                added.append(core_req.request_id)
+        except Exception:
+            self.output_processor.abort_request(request_id)
+            self.engine_core.abort_requests(added)
+            raise
 
     def abort_request(self, request_ids: list[str]) -> None:
         seq_ids = [sid for rid in request_ids for sid in self.output_processor.abort_request(rid)]

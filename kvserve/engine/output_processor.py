@@ -145,9 +145,12 @@ class OutputProcessor:
             seq.token_ids.extend(out.new_token_ids)
             if seq.logprobs is not None and out.new_logprobs:
                 self._append_logprobs(seq, out.new_logprobs)
-            # EOS (stop_reason None) or a stop token id; stop strings are found below, by the detokenizer.
-            stopped_by_token = out.finish_reason == "stop" and (
-                out.stop_reason is None or isinstance(out.stop_reason, int)
+            # EOS (stop_reason None) or a stop token id; stop strings are found below, by the detokenizer. A
+            # completed structured output ends on a token of its text.
+            stopped_by_token = (
+                out.finish_reason == "stop"
+                and not out.grammar_completed
+                and (out.stop_reason is None or isinstance(out.stop_reason, int))
             )
             skip_last = stopped_by_token and not seq.params.include_stop_str_in_output
             stop_str = seq.detokenizer.update(out.new_token_ids, skip_last)

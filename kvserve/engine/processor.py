@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from kvserve.config import ModelConfig
 from kvserve.request import EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output.grammar import check as check_grammar
 
 # A prompt is text, {"prompt": text} or {"prompt_token_ids": [...]} (vLLM's TextPrompt / TokensPrompt).
 PromptType = str | dict[str, Any]
@@ -86,6 +87,8 @@ class Processor:
             max_tokens = params.max_tokens
             if num_prompt + max_tokens > limit:
                 raise ValueError(self._too_long(num_prompt, max_tokens, limit))
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)  # a bad schema or grammar is the caller's error (HTTP 400)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

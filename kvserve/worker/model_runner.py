@@ -44,6 +44,7 @@ from kvserve.loader.model_loader import load_model
 from kvserve.outputs import ModelRunnerOutput
 from kvserve.platform import startup_summary
 from kvserve.profiling import StepTimer
+from kvserve.sample.bitmask import apply_grammar_bitmask
 from kvserve.sample.rejection_sampler import DraftInputs, RejectionSampler
 from kvserve.sample.sampler import Sampler, SamplerOutput
 from kvserve.spec_decode.base import Proposer
@@ -358,6 +359,8 @@ class ModelRunner:
                 logits_idx = np.repeat(ends - num_logits, num_logits) + _ragged_arange(num_logits)
                 logits = self.model.compute_logits(hidden[self._to_device(logits_idx)])
             with timer.phase("sample"):
+                if so.grammar_bitmask is not None:
+                    self._apply_grammar(so, step, num_logits, logits)
                 self._sample(step, logits, num_logits, sampled_lists, logprobs_lists)
         spec_token_ids = None
         if self.proposer is not None:
@@ -379,6 +382,7 @@ class ModelRunner:
         timer = self.timer
         assert self.kv_transfer is not None, "initialize_kv_cache comes first"
         assert self.proposer is None and self.kv_transfer.connector is None
+        assert so.grammar_bitmask is None, "structured outputs are refused with async scheduling"
         with timer.phase("prepare_inputs"):
             self._apply_scheduler_output(so)
             self.kv_transfer.before_forward(so)  # swaps only: no connector, so no failed loads
@@ -469,6 +473,19 @@ class ModelRunner:
         if fill is not None:
             ids[fill[0]] = fill[1]
         return self.model(ids, positions, self.kv_caches, step.attn_metadata)
+
+    def _apply_grammar(self, so: SchedulerOutput, step: _StepInputs, num_logits: np.ndarray, logits) -> None:
+        """Mask each constrained request's logits row (its last: constrained requests carry no drafts)."""
+        last_row = np.cumsum(num_logits) - 1
+        position = {step.req_ids[i]: j for j, i in enumerate(step.sample_idx.tolist())}
+        rows, used = [], []
+        for k, req_id in enumerate(so.structured_output_request_ids):
+            j = position.get(req_id)
+            if j is not None:  # absent: it sat this step out (a failed KV load)
+                rows.append(int(last_row[j]))
+                used.append(k)
+        assert so.grammar_bitmask is not None
+        apply_grammar_bitmask(logits, rows, used, so.grammar_bitmask, so.grammar_bitmask_words)
 
     def _sample(
         self, step: _StepInputs, logits: torch.Tensor, num_logits: np.ndarray, sampled_lists: list, logprobs_lists: list

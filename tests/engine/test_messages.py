@@ -79,3 +79,31 @@ def test_spec_decoding_stats_on_the_wire_and_in_the_dict():
         "acceptance_rate": 0.6,
         "mean_acceptance_length": 2.5,
     }
+
+
+def test_structured_outputs_survive_both_wires():
+    """A constrained request to the engine core, and a step's bitmask to the worker processes (TP ranks)."""
+    from kvserve.core.sched_output import SchedulerOutput
+    from kvserve.engine.messages import AddRequest, encoder, to_core_decoder
+    from kvserve.executor import wire
+    from kvserve.request import EngineCoreRequest
+    from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+    for spec in (
+        StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": ["integer", "null"]}}}),
+        StructuredOutputsParams(json='{"type": "string"}'),
+        StructuredOutputsParams(choice=["x", "y"]),
+        StructuredOutputsParams(json_object=True),
+    ):
+        req = EngineCoreRequest("r", [1, 2], SamplingParams(structured_outputs=spec), frozenset({2}), 1.0, 5)
+        back = to_core_decoder.decode(encoder.encode(AddRequest(req)))
+        assert back.request.sampling_params.structured_outputs == spec
+    so = SchedulerOutput(
+        structured_output_request_ids=["a", "b"], grammar_bitmask=bytes(range(16)), grammar_bitmask_words=2
+    )
+    back = wire.step_decoder.decode(wire.encoder.encode(so))
+    assert (back.structured_output_request_ids, back.grammar_bitmask, back.grammar_bitmask_words) == (
+        ["a", "b"],
+        bytes(range(16)),
+        2,
+    )

@@ -66,6 +66,32 @@ def test_mp_tp2_matches_tp1(tiny, tiny_model_factory):
     check_parity(tiny_model_factory(tiny), distributed_executor_backend="mp")
 
 
+def test_mp_tp2_constrained_outputs_match_tp1(tiny_model_factory):
+    """The step's grammar bitmask crosses the wire to both ranks; each masks its logits the same way."""
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    prompts, _ = workload()
+    specs = [
+        StructuredOutputsParams(regex=r"[a-f]{3,9}-\d{2}"),
+        StructuredOutputsParams(choice=["north", "south", "east west"]),
+        StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}),
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, structured_outputs=specs[i % 3]) for i in range(len(prompts))
+    ]
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(tiny_model_factory("llama-gqa-untied"), **ENGINE, tensor_parallel_size=tp)
+        try:
+            got = llm.generate(prompts, params, use_tqdm=False)
+            outs[tp] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in got]
+            assert_all_blocks_free(llm)
+        finally:
+            llm.shutdown()
+    assert outs[2] == outs[1]
+    assert sum(reason == "stop" for _, reason in outs[1]) >= 2
+
+
 @pytest.mark.slow
 def test_mp_tp2_matches_tp1_on_the_embedded_model(smollm2_gguf):
     # 9 query heads and 3 KV heads: the ranks get 1 and 2 GQA groups (kvserve/distributed/sharding.py).

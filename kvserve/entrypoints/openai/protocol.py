@@ -47,6 +47,40 @@ Temperature = Annotated[float, Field(ge=0.0, le=1e4)]
 StopField = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None
 
 
+class JsonSchemaFormat(OpenAIModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError('response_format of type "json_schema" needs json_schema.schema')
+        return self
+
+
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's `structured_outputs` extra body field (kvserve.sampling_params.StructuredOutputsParams)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions (OpenAI's and vLLM's extra body fields)."""
 
@@ -71,6 +105,13 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_stop(self) -> SamplingFields:

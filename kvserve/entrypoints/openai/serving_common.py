@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
 from kvserve.outputs import Logprob
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -44,6 +44,7 @@ def to_sampling_params(
     """Map an OpenAI request onto SamplingParams; OpenAI's defaults where the field is absent."""
     if req.stop_token_ids and max(req.stop_token_ids) >= vocab_size:
         raise OpenAIError(f"stop_token_ids must be < vocab size {vocab_size}", param="stop_token_ids")
+    structured_outputs = to_structured_outputs(req)
     try:
         return SamplingParams(
             n=req.n,
@@ -64,10 +65,43 @@ def to_sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
+            structured_outputs=structured_outputs,
         )
     except ValueError as e:
         field = str(e).split()[0].removeprefix("SamplingParams.")
         raise OpenAIError(str(e), param=field) from None
+
+
+def to_structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever of the accepted fields carries it (at most one). Whether
+    the schema or grammar itself is valid is checked by the engine's frontend (also a 400)."""
+    given: dict[str, dict[str, Any]] = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given["response_format"] = {"json_object": True}
+    elif fmt is not None and fmt.type == "json_schema":
+        assert fmt.json_schema is not None
+        given["response_format"] = {"json": fmt.json_schema.json_schema}
+    if req.structured_outputs is not None:
+        so = req.structured_outputs
+        fields = {"json": so.json_schema, "regex": so.regex, "choice": so.choice, "grammar": so.grammar}
+        given["structured_outputs"] = {k: v for k, v in fields.items() if v is not None}
+        if so.json_object:
+            given["structured_outputs"]["json_object"] = True
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+        if getattr(req, name) is not None:
+            given[name] = {key: getattr(req, name)}
+    if req.guided_grammar is not None:
+        given["guided_grammar"] = {"grammar": req.guided_grammar}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise OpenAIError(f"give at most one output constraint, got {', '.join(given)}", param=next(iter(given)))
+    name, fields = next(iter(given.items()))
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=name) from None
 
 
 def sse(payload: BaseModel | dict) -> str:

@@ -242,6 +242,21 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, None),
     ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, None),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "yaml"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "[a-"}, None),
+    ("/v1/completions", {"prompt": "hi", "guided_json": "{broken"}, None),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": []}, "guided_choice"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, "guided"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        },
+        None,
+    ),
 ]
 
 
@@ -271,6 +286,64 @@ def test_openai_client_sees_bad_request_error(client, model_path):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model_path, prompt="hi", max_tokens=10**6)
     assert "maximum context length" in str(e.value)
+
+
+# ------------------------------------------------------------------ structured outputs
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "adult": {"type": "boolean"}},
+    "required": ["name", "adult"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_in_every_accepted_form(client, model_path):
+    """OpenAI's response_format, vLLM's structured_outputs and guided_* fields, on both endpoints; greedy, so the
+    server's text equals the offline engine's under the same constraint."""
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    llm = LLM(model_path, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    messages = [{"role": "user", "content": "Describe a person"}]
+    forms = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}}, "json"),
+        ({"response_format": {"type": "json_object"}}, "json_object"),
+        ({"structured_outputs": {"choice": ["red", "green", "blue"]}}, "choice"),
+        ({"guided_json": PERSON}, "json"),
+        ({"guided_regex": "[0-9]{2}:[0-9]{2}"}, "regex"),
+        ({"guided_choice": ["yes", "no"]}, "choice"),
+        ({"guided_grammar": 'root ::= "A" | "B" "C"'}, "grammar"),
+    ]
+    for body, kind in forms:
+        field, value = next(iter(body.items()))
+        if field == "response_format":
+            spec = (
+                StructuredOutputsParams(json_object=True)
+                if value["type"] == "json_object"
+                else StructuredOutputsParams(json=value["json_schema"]["schema"])
+            )
+        else:
+            value = value if field != "structured_outputs" else value["choice"]
+            key = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar"}.get(field, "choice")
+            spec = StructuredOutputsParams(**{key: value})
+        params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=spec)
+        (want,) = llm.chat(messages, params, use_tqdm=False)
+        got = client.chat.completions.create(
+            model=model_path, messages=messages, max_tokens=48, temperature=0, extra_body=body
+        )
+        text, reason = got.choices[0].message.content, got.choices[0].finish_reason
+        assert (text, reason) == (want.outputs[0].text, want.outputs[0].finish_reason), body
+        if reason == "stop" and kind == "json":
+            person = json.loads(text)
+            assert set(person) == {"name", "adult"} and isinstance(person["adult"], bool)
+        elif reason == "stop" and kind == "choice":
+            assert text in value
+        (want_c,) = llm.generate(["Describe a person"], params, use_tqdm=False)
+        got_c = client.completions.create(
+            model=model_path, prompt="Describe a person", max_tokens=48, temperature=0, extra_body=body
+        )
+        assert got_c.choices[0].text == want_c.outputs[0].text, body
 
 
 # ------------------------------------------------------------------ disconnects

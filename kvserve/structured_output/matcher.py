@@ -1,0 +1,109 @@
+"""The engine core's side of structured outputs: one llguidance matcher per constrained request, advanced by the
+tokens the scheduler appends, and the step's token bitmask for the requests that sample in it.
+
+Pure Python and numpy (no torch), like the scheduler that calls it. The bitmask travels in the SchedulerOutput
+as bytes: int32 words, `num_words(vocab)` per constrained request, bit t of word t // 32 set when token t may
+come next.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import llguidance
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par
+
+from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured_output.grammar import check, library_errors_as_value_errors
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept for reuse: requests with the same schema (the usual case in a service) copy one.
+_MAX_CACHED_GRAMMARS = 64
+
+
+def num_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class RequestGrammar:
+    """One request's parser state: what it has generated so far, in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False if the grammar refuses it (the mask should have made that impossible)."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """Nothing may follow: the output is complete (a JSON object closed, a choice made)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+class StructuredOutputManager:
+    """Compiles grammars for the engine core and fills the step's bitmask.
+
+    The llguidance tokenizer (the vocabulary as bytes, ~0.5 s to build) is made at the first constrained request,
+    so an engine that never sees one never pays for it.
+    """
+
+    def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._mask_vocab = vocab_size  # the tokens a bitmask covers, set with the tokenizer
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._executor: llguidance.LLExecutor | None = None
+
+    @property
+    def num_words(self) -> int:
+        """int32 words per request in a bitmask."""
+        return num_words(self._mask_vocab)
+
+    def new_grammar(self, params: StructuredOutputsParams, eos_token_ids: Iterable[int]) -> RequestGrammar:
+        """A fresh parser for `params`; ValueError if the grammar is invalid."""
+        grammar = check(params)
+        prototype = self._compiled.get(grammar)
+        if prototype is None:
+            with library_errors_as_value_errors():
+                prototype = llguidance.LLMatcher(self._tokenizer(eos_token_ids), grammar, log_level=0)
+            if prototype.is_error():
+                raise ValueError(f"invalid structured output specification: {prototype.get_error()}")
+            self._compiled[grammar] = prototype
+            if len(self._compiled) > _MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return RequestGrammar(prototype.deep_copy())
+
+    def fill_bitmask(self, grammars: list[RequestGrammar]) -> bytes:
+        """The allowed next tokens of each grammar, in order (see the module docstring for the layout)."""
+        bitmask = np.empty((len(grammars), self.num_words), dtype=np.int32)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        fill_next_token_bitmask_par(self._executor, [(g.matcher, i) for i, g in enumerate(grammars)], bitmask)
+        return bitmask.tobytes()
+
+    def _tokenizer(self, eos_token_ids: Iterable[int]) -> llguidance.LLTokenizer:
+        if self._ll_tokenizer is None:
+            import llguidance.hf  # imports transformers: only once a constrained request comes
+
+            from kvserve.loader.tokenizer import load_tokenizer
+
+            hf_tokenizer = load_tokenizer(self.tokenizer_path)
+            # The model's vocabulary may be padded past the tokenizer's: the padding tokens are never allowed.
+            self._mask_vocab = max(self.vocab_size, len(hf_tokenizer))
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                hf_tokenizer, n_vocab=self._mask_vocab, eos_token=sorted(eos_token_ids)
+            )
+            logger.info("structured outputs: llguidance tokenizer built (%d tokens)", self._mask_vocab)
+        return self._ll_tokenizer

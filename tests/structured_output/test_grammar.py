@@ -1,0 +1,138 @@
+"""StructuredOutputsParams, the grammars built from them, and the engine core's matchers and bitmasks."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import numpy as np
+import pytest
+
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.structured_output.grammar import check
+from kvserve.structured_output.matcher import StructuredOutputManager, num_words
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({}, "exactly one"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one"),
+        ({"json": SCHEMA, "json_object": True}, "exactly one"),
+        ({"json": 3}, "JSON schema"),
+        ({"regex": ""}, "non-empty string"),
+        ({"grammar": 5}, "non-empty string"),
+        ({"choice": []}, "non-empty list"),
+        ({"choice": "ab"}, "non-empty list"),
+        ({"choice": ["a", ""]}, "non-empty strings"),
+    ],
+)
+def test_params_refuse_bad_shapes(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_sampling_params_take_only_structured_outputs_params():
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    assert params.clone().structured_outputs == StructuredOutputsParams(regex="a+")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutputsParams(json=SCHEMA),
+        StructuredOutputsParams(json=json.dumps(SCHEMA)),
+        StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(regex=r"\d{3}-[a-z]+"),
+        StructuredOutputsParams(choice=["yes", "no"]),
+        StructuredOutputsParams(grammar='start: "yes" | "no"'),
+        StructuredOutputsParams(grammar='root ::= "yes" | "no"'),  # GBNF
+    ],
+)
+def test_valid_specs_compile(spec):
+    assert llguidance.LLMatcher.validate_grammar(check(spec)) == ""
+
+
+@pytest.mark.parametrize(
+    "spec, error",
+    [
+        (StructuredOutputsParams(json="{not json"), "not valid JSON"),
+        (StructuredOutputsParams(json="[1, 2]"), "must be an object"),
+        (StructuredOutputsParams(json={"type": "no-such-type"}), "invalid structured output"),
+        (StructuredOutputsParams(regex="[a-z"), "invalid structured output"),
+        (StructuredOutputsParams(grammar="start: undefined_rule"), "invalid structured output"),
+        (StructuredOutputsParams(grammar="root ::= ("), "cannot read the grammar"),
+    ],
+)
+def test_invalid_specs_are_value_errors(spec, error):
+    with pytest.raises(ValueError, match=error):
+        check(spec)
+
+
+@pytest.fixture(scope="module")
+def manager(smollm2_gguf, smollm2_tokenizer) -> StructuredOutputManager:
+    return StructuredOutputManager(smollm2_gguf, len(smollm2_tokenizer))
+
+
+def allowed_tokens(manager: StructuredOutputManager, grammars) -> list[set[int]]:
+    words = np.frombuffer(manager.fill_bitmask(grammars), dtype=np.int32).reshape(len(grammars), manager.num_words)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+    return [set(np.flatnonzero(row).tolist()) for row in bits]
+
+
+def test_choices_are_matched_literally(manager, smollm2_tokenizer):
+    """Regex metacharacters in a choice stand for themselves: each choice completes its grammar, and a string
+    its unescaped regex would also match does not."""
+    choices = ["a.b", "(x|y)", "1+1=2", "a/b", "[z]", "c#d~e&f-g", "$^{2}\\"]
+    eos = [smollm2_tokenizer.eos_token_id]
+    for choice in choices:
+        grammar = manager.new_grammar(StructuredOutputsParams(choice=choices), eos)
+        for token in smollm2_tokenizer(choice, add_special_tokens=False).input_ids:
+            assert grammar.accept(token), choice
+        assert grammar.is_terminated, choice
+    grammar = manager.new_grammar(StructuredOutputsParams(choice=choices), eos)
+    assert not all(grammar.accept(t) for t in smollm2_tokenizer("axb", add_special_tokens=False).input_ids)
+
+
+def test_bitmask_follows_each_grammar_and_copies_are_independent(manager, smollm2_tokenizer):
+    eos = smollm2_tokenizer.eos_token_id
+    spec = StructuredOutputsParams(json=SCHEMA)
+    text_ids = smollm2_tokenizer('{"name": "Bo", "ok": true}', add_special_tokens=False).input_ids
+    a = manager.new_grammar(spec, [eos])
+    num_compiled = len(manager._compiled)
+    b = manager.new_grammar(spec, [eos])
+    assert len(manager._compiled) == num_compiled  # the second one copied the compiled grammar
+    for i, token in enumerate(text_ids):
+        allowed_a, allowed_b = allowed_tokens(manager, [a, b])
+        assert token in allowed_a
+        if i == 0:
+            assert allowed_a == allowed_b
+        assert a.accept(token)
+        assert not a.is_terminated or i == len(text_ids) - 1
+    assert a.is_terminated and not b.is_terminated
+    (after,) = allowed_tokens(manager, [a])
+    assert after == {eos}  # a complete output may only end
+    (fresh,) = allowed_tokens(manager, [b])
+    assert text_ids[0] in fresh and eos not in fresh
+    # Refused tokens put the grammar in an error state, with a message.
+    assert not b.accept(smollm2_tokenizer("x", add_special_tokens=False).input_ids[0])
+    assert b.error
+
+
+def test_bitmask_width_covers_a_padded_vocabulary(smollm2_gguf, smollm2_tokenizer):
+    """A model vocabulary padded past the tokenizer's: the bitmask covers it, padding tokens never allowed."""
+    padded = len(smollm2_tokenizer) + 100
+    manager = StructuredOutputManager(smollm2_gguf, padded)
+    grammar = manager.new_grammar(StructuredOutputsParams(regex="[a-z]+"), [smollm2_tokenizer.eos_token_id])
+    assert manager.num_words == num_words(padded)
+    (allowed,) = allowed_tokens(manager, [grammar])
+    assert allowed and max(allowed) < len(smollm2_tokenizer)
