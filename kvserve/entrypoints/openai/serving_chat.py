@@ -29,6 +29,7 @@ from kvserve.entrypoints.openai.serving_common import (
     SSE_DONE,
     OpenAIError,
     engine_error,
+    json_logprob,
     run_unless_disconnected,
     sse,
     stream_unless_disconnected,
@@ -161,11 +162,11 @@ class ChatHandler:
             content.append(
                 ChatLogprobToken(
                     token=text,
-                    logprob=entry[token_id].logprob,
+                    logprob=json_logprob(entry[token_id]),
                     bytes=list(text.encode()),
                     top_logprobs=[
                         ChatLogprobTop(
-                            token=(tt := token_text(v, t, decode)), logprob=v.logprob, bytes=list(tt.encode())
+                            token=(tt := token_text(v, t, decode)), logprob=json_logprob(v), bytes=list(tt.encode())
                         )
                         for t, v in tops
                     ],

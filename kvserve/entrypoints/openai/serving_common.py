@@ -116,6 +116,12 @@ def token_text(lp: Logprob, token_id: int, decode: Callable[[list[int]], str]) -
     return lp.decoded_token if lp.decoded_token is not None else decode([token_id])
 
 
+def json_logprob(lp: Logprob) -> float:
+    """A logprob JSON can carry: a token a grammar forbids has -inf, which JSON has no number for (vLLM's
+    clamp)."""
+    return max(lp.logprob, -9999.0)
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     """Returns when the client goes away (the ASGI server delivers http.disconnect once the body is read)."""
     while True:

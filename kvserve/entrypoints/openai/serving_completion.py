@@ -22,6 +22,7 @@ from kvserve.entrypoints.openai.serving_common import (
     SSE_DONE,
     OpenAIError,
     engine_error,
+    json_logprob,
     run_unless_disconnected,
     sse,
     stream_unless_disconnected,
@@ -200,8 +201,8 @@ class CompletionHandler:
         for token_id, entry in zip(c.token_ids, c.logprobs or [], strict=False):
             text = token_text(entry[token_id], token_id, decode)
             lp.tokens.append(text)
-            lp.token_logprobs.append(entry[token_id].logprob)
-            lp.top_logprobs.append({token_text(v, t, decode): v.logprob for t, v in entry.items()})
+            lp.token_logprobs.append(json_logprob(entry[token_id]))
+            lp.top_logprobs.append({token_text(v, t, decode): json_logprob(v) for t, v in entry.items()})
             lp.text_offset.append(offset)
             offset += len(text)
         return lp

@@ -346,6 +346,28 @@ def test_structured_outputs_in_every_accepted_form(client, model_path):
         assert got_c.choices[0].text == want_c.outputs[0].text, body
 
 
+def test_constrained_logprobs_are_json_numbers(client, model_path):
+    """A grammar that allows one token leaves -inf in the top logprobs: sent as -9999 (vLLM's clamp), never as a
+    JSON error, streamed or not, on both endpoints."""
+    body = {"guided_choice": ["x"]}
+    chat = client.chat.completions.create(
+        model=model_path,
+        messages=[{"role": "user", "content": "x?"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body=body,
+    )
+    tops = [t.logprob for t in chat.choices[0].logprobs.content[0].top_logprobs]
+    assert chat.choices[0].message.content == "x" and min(tops) == -9999.0 and max(tops) > -9999.0
+    comp = client.completions.create(model=model_path, prompt="x?", max_tokens=4, logprobs=5, extra_body=body)
+    assert -9999.0 in comp.choices[0].logprobs.top_logprobs[0].values()
+    stream = client.completions.create(
+        model=model_path, prompt="x?", max_tokens=4, logprobs=5, stream=True, extra_body=body
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == "x"
+
+
 # ------------------------------------------------------------------ disconnects
 
 
