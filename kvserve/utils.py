@@ -46,3 +46,17 @@ def parse_bytes(text: str | int) -> int:
         if t.endswith(suffix):
             return int(float(t[: -len(suffix)]) * _BYTE_UNITS[suffix])
     return int(t)
+
+
+def json_object(value: object, what: str) -> dict | None:
+    """A dict given as itself or as JSON text (CLI flags, HTTP fields); None stays None. ValueError names `what`."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} is not valid JSON: {e}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{what} must be a dict or a JSON object, got {type(value).__name__}")
+    return value

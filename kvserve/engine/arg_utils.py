@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from dataclasses import dataclass, fields, replace
@@ -24,7 +23,7 @@ from kvserve.loader.default_model import find_gguf, resolve_model_path
 from kvserve.loader.gguf_weights import gguf_arch_config, gguf_linears_quantized
 from kvserve.platform import cpu_info, default_dtype, resolve_device
 from kvserve.threads import plan_threads
-from kvserve.utils import parse_bytes
+from kvserve.utils import json_object, parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -246,14 +245,7 @@ class EngineArgs:
             preemption_mode=self.preemption_mode,
             async_scheduling=bool(self.async_scheduling),
         )
-        spec = self.speculative_config
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if spec is not None and not isinstance(spec, dict):
-            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(spec).__name__}")
+        spec = json_object(self.speculative_config, "speculative_config")
         speculative = SpeculativeConfig.from_dict(spec) if spec else None
         kv_transfer = _kv_transfer_config(self.kv_transfer_config)
         if speculative is not None and speculative.method != "ngram":
@@ -346,15 +338,9 @@ class EngineArgs:
 def _kv_transfer_config(value: dict | str | None) -> KVTransferConfig | None:
     from kvserve.kv_transfer.factory import validate
 
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+    value = json_object(value, "kv_transfer_config")
     if value is None:
         return None
-    if not isinstance(value, dict):
-        raise ValueError(f"kv_transfer_config must be a dict or a JSON object, got {type(value).__name__}")
     config = KVTransferConfig.from_dict(value)
     validate(config)
     return config

@@ -6,13 +6,13 @@ gives, for any prefix of tokens, the set of tokens that may follow. It is pure C
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.utils import json_object
 
 # Characters with a meaning in llguidance's regex syntax (Rust's regex crate); every other one stands for itself.
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
@@ -21,15 +21,7 @@ _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 def grammar_for(params: StructuredOutputsParams) -> str:
     """The llguidance grammar for `params` (not yet validated: see `check`)."""
     if params.json is not None:
-        schema = params.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(schema, dict):
-            raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        return llguidance.LLMatcher.grammar_from_json_schema(json_object(params.json, "the JSON schema"))
     if params.json_object:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
     if params.regex is not None:

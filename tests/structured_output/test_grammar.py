@@ -66,7 +66,7 @@ def test_valid_specs_compile(spec):
     "spec, error",
     [
         (StructuredOutputsParams(json="{not json"), "not valid JSON"),
-        (StructuredOutputsParams(json="[1, 2]"), "must be an object"),
+        (StructuredOutputsParams(json="[1, 2]"), "must be a dict or a JSON object"),
         (StructuredOutputsParams(json={"type": "no-such-type"}), "invalid structured output"),
         (StructuredOutputsParams(regex="[a-z"), "invalid structured output"),
         (StructuredOutputsParams(grammar="start: undefined_rule"), "invalid structured output"),
