@@ -289,7 +289,7 @@ class Scheduler:
             budget -= num_new
 
         self._num_steps += 1
-        if num_scheduled:
+        if num_scheduled and self.async_scheduling:  # synchronous: the output comes before any id can be reused
             self._step_requests[self._num_steps] = {req_id: self.requests[req_id] for req_id in num_scheduled}
         # Advance at schedule time: the step in flight is responsible for these tokens now.
         for req_id, n in num_scheduled.items():
@@ -425,7 +425,7 @@ class Scheduler:
         return outputs
 
     def _check_stop(self, request: Request) -> bool:
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if self._length_reached(request, 0):
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         params = request.sampling_params
@@ -472,10 +472,13 @@ class Scheduler:
     def _ends_in_flight(self, request: Request) -> bool:
         """Async: the tokens in flight take the request to max_tokens or max_model_len, so it finishes when they
         arrive and must not be scheduled again (its next position may not even exist)."""
-        num_placeholders = request.num_output_placeholders
+        return self._length_reached(request, request.num_output_placeholders)
+
+    def _length_reached(self, request: Request, num_more: int) -> bool:
+        """The request is at max_tokens or max_model_len once `num_more` tokens beyond its own are added."""
         return (
-            request.num_output_tokens + num_placeholders >= request.max_tokens
-            or request.num_tokens + num_placeholders >= self.config.max_model_len
+            request.num_output_tokens + num_more >= request.max_tokens
+            or request.num_tokens + num_more >= self.config.max_model_len
         )
 
     def _lookahead(self, num_tokens_after_step: int) -> int:
