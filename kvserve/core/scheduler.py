@@ -33,7 +33,8 @@ preempted while its step is in flight still takes that step's token (it was comp
 Structured outputs: a constrained request carries its grammar's parser (`Request.grammar`). Each step the
 scheduler asks the engine core's StructuredOutputManager for the tokens that may come next for those that sample,
 and sends that bitmask with the step; each token it appends advances the parser. A request whose grammar is
-complete finishes ("stop") without waiting for an EOS. Constrained requests verify no drafts.
+complete finishes ("stop") without waiting for an EOS. A constrained request verifies only the drafts its grammar
+allows, each position under its own mask.
 """
 
 from __future__ import annotations
@@ -300,7 +301,7 @@ class Scheduler:
             ):
                 request.num_output_placeholders += 1  # it samples in this step
 
-        grammar_req_ids, grammar_bitmask = self._grammar_bitmask(num_scheduled)
+        grammar_req_ids, grammar_bitmask = self._grammar_bitmask(num_scheduled, scheduled_spec)
         # A request both preempted and rescheduled in one step cannot happen (no admissions after preemption),
         # so the runner can drop every preempted id before adding new requests.
         finished = self._finished_req_ids | preempted
@@ -336,8 +337,10 @@ class Scheduler:
         for request in sorted(decodes, key=lambda r: -r.spec_acceptance_ema):
             if budget <= 0:
                 break
-            if request.spec_token_ids and request.grammar is None:
+            if request.spec_token_ids:
                 n = min(len(request.spec_token_ids), policy.limit(request.spec_acceptance_ema, len(decodes)), budget)
+                if request.grammar is not None:  # only drafts its grammar allows: the others would be rejected
+                    n = request.grammar.num_valid(request.spec_token_ids[:n])
                 plan[request.request_id] = n
                 budget -= n
         return plan
@@ -347,16 +350,12 @@ class Scheduler:
         (the step's own verification may still move the EMA: a request recovering gets its full K one step
         later), where it is below num_speculative_tokens."""
         policy = self.spec_policy
-        if policy is None:
+        if policy is None or not policy.config.adaptive:
             return {}
-        # Constrained requests verify no drafts (_plan_drafts): a draft model need not propose for them.
-        constrained = {r.request_id: 0 for r in self.running if r.grammar is not None}
-        if not policy.config.adaptive:
-            return constrained
         k = policy.config.num_speculative_tokens
         num_decodes = len(self.running)
         limits = {r.request_id: policy.limit(r.spec_acceptance_ema, num_decodes) for r in self.running}
-        return {req_id: n for req_id, n in limits.items() if n < k} | constrained
+        return {req_id: n for req_id, n in limits.items() if n < k}
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -453,8 +452,11 @@ class Scheduler:
             return True
         return False
 
-    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> tuple[list[str], bytes | None]:
-        """The constrained requests that sample in this step (all their known tokens computed) and their bitmask."""
+    def _grammar_bitmask(
+        self, num_scheduled: dict[str, int], scheduled_spec: dict[str, list[int]]
+    ) -> tuple[list[str], bytes | None]:
+        """The constrained requests that sample in this step (all their known tokens computed) and their bitmask:
+        a row for each, and one more per draft it verifies."""
         if self.structured_output is None:
             return [], None
         sampling = [
@@ -465,7 +467,9 @@ class Scheduler:
         ]
         if not sampling:
             return [], None
-        return [r.request_id for r in sampling], self.structured_output.fill_bitmask([r.grammar for r in sampling])
+        grammars = [r.grammar for r in sampling]
+        drafts = [scheduled_spec.get(r.request_id, []) for r in sampling]
+        return [r.request_id for r in sampling], self.structured_output.fill_bitmask(grammars, drafts)
 
     # ---------------------------------------------------------------- helpers
 

@@ -2,8 +2,8 @@
 tokens the scheduler appends, and the step's token bitmask for the requests that sample in it.
 
 Pure Python and numpy (no torch), like the scheduler that calls it. The bitmask travels in the SchedulerOutput
-as bytes: int32 words, `num_words(vocab)` per constrained request, bit t of word t // 32 set when token t may
-come next.
+as bytes: int32 words, `num_words(vocab)` per row, bit t of word t // 32 set when token t may come next; a
+constrained request has one row, plus one per speculative draft it verifies.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured_output.grammar import check, library_errors_as_value_errors
@@ -38,6 +38,10 @@ class RequestGrammar:
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar refuses it (the mask should have made that impossible)."""
         return self.matcher.consume_token(token_id)
+
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many of `token_ids` (speculative drafts), in order, the grammar would take from here."""
+        return self.matcher.validate_tokens(token_ids)
 
     @property
     def is_terminated(self) -> bool:
@@ -85,12 +89,27 @@ class StructuredOutputManager:
             self._compiled.move_to_end(grammar)
         return RequestGrammar(prototype.deep_copy())
 
-    def fill_bitmask(self, grammars: list[RequestGrammar]) -> bytes:
-        """The allowed next tokens of each grammar, in order (see the module docstring for the layout)."""
-        bitmask = np.empty((len(grammars), self.num_words), dtype=np.int32)
+    def fill_bitmask(self, grammars: list[RequestGrammar], drafts: list[list[int]]) -> bytes:
+        """The allowed next tokens of each grammar, in order (see the module docstring for the layout), then, for
+        each of its drafts (which it must accept: see `num_valid`), those after that draft: 1 + len(drafts[i])
+        rows for grammar i. The parsers end where they started."""
+        num_rows = len(grammars) + sum(len(d) for d in drafts)
+        # All allowed where nothing is written: the rows after a draft that completes the output, whose tokens
+        # the scheduler drops.
+        bitmask = np.full((num_rows, self.num_words), -1, dtype=np.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        fill_next_token_bitmask_par(self._executor, [(g.matcher, i) for i, g in enumerate(grammars)], bitmask)
+        plain, drafted, row = [], [], 0
+        for grammar, tokens in zip(grammars, drafts, strict=True):
+            if tokens:  # llguidance's draft variant takes no empty list
+                drafted.append((grammar.matcher, row, tokens))
+            else:
+                plain.append((grammar.matcher, row))
+            row += 1 + len(tokens)
+        if plain:
+            fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        if drafted:
+            fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
         return bitmask.tobytes()
 
     def _tokenizer(self, eos_token_ids: Iterable[int]) -> llguidance.LLTokenizer:

@@ -475,15 +475,19 @@ class ModelRunner:
         return self.model(ids, positions, self.kv_caches, step.attn_metadata)
 
     def _apply_grammar(self, so: SchedulerOutput, step: _StepInputs, num_logits: np.ndarray, logits) -> None:
-        """Mask each constrained request's logits row (its last: constrained requests carry no drafts)."""
+        """Mask each constrained request's logits rows: one per draft it verifies and the last, each by its own
+        bitmask row (the scheduler's order, 1 + drafts rows per request)."""
         last_row = np.cumsum(num_logits) - 1
         position = {step.req_ids[i]: j for j, i in enumerate(step.sample_idx.tolist())}
-        rows, used = [], []
-        for k, req_id in enumerate(so.structured_output_request_ids):
+        rows, used, mask_row = [], [], 0
+        for req_id in so.structured_output_request_ids:
+            n = 1 + len(so.scheduled_spec_decode_tokens.get(req_id, ()))
             j = position.get(req_id)
             if j is not None:  # absent: it sat this step out (a failed KV load)
-                rows.append(int(last_row[j]))
-                used.append(k)
+                assert int(num_logits[j]) == n
+                rows += range(int(last_row[j]) - n + 1, int(last_row[j]) + 1)
+                used += range(mask_row, mask_row + n)
+            mask_row += n
         assert so.grammar_bitmask is not None
         apply_grammar_bitmask(logits, rows, used, so.grammar_bitmask, so.grammar_bitmask_words)
 

@@ -166,17 +166,34 @@ def test_batched_outputs_equal_each_request_alone(model_path, options):
     assert_all_blocks_free(llm)
 
 
+def constrained_only(seed: int, greedy_only: bool) -> tuple[list[dict], list[SamplingParams]]:
+    prompts, params, names = mixed_workload(seed)
+    keep = [i for i, n in enumerate(names) if n is not None and (params[i].temperature == 0 or not greedy_only)]
+    return [prompts[i] for i in keep], [params[i] for i in keep]
+
+
 @pytest.mark.slow
-def test_ngram_speculation_leaves_constrained_outputs_unchanged(tiny_model_factory):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_leaves_constrained_outputs_unchanged(tiny_model_factory, method):
+    """Drafts the grammar refuses are dropped before verification; the rest are verified under each position's
+    own mask. Greedy tokens equal speculation off; seeded sampled ones too with n-gram (one-hot drafts are accepted
+    iff they equal the plain draw). Drafts are verified and accepted for the constrained requests themselves."""
     path = tiny_model_factory("llama-loops")  # loops: the n-gram proposer has drafts to offer
-    prompts, params, names = mixed_workload(2)
+    prompts, params = constrained_only(2, greedy_only=method != "ngram")
     plain = LLM(path, dtype="float32", max_model_len=128)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    want = [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in plain.generate(prompts, params, use_tqdm=False)
+    ]
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "ngram":
+        spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    else:
+        spec["model"] = path  # the target itself: its unconstrained guesses, cut by the grammar
     llm = LLM(path, dtype="float32", max_model_len=128, speculative_config=spec)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    assert llm.stats()["spec_decoding"]["num_draft_tokens"] > 0  # the free requests did speculate
+    stats = llm.stats()["spec_decoding"]
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0, stats
     assert_all_blocks_free(llm)
 
 

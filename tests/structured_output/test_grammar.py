@@ -83,8 +83,10 @@ def manager(smollm2_gguf, smollm2_tokenizer) -> StructuredOutputManager:
     return StructuredOutputManager(smollm2_gguf, len(smollm2_tokenizer))
 
 
-def allowed_tokens(manager: StructuredOutputManager, grammars) -> list[set[int]]:
-    words = np.frombuffer(manager.fill_bitmask(grammars), dtype=np.int32).reshape(len(grammars), manager.num_words)
+def allowed_tokens(manager: StructuredOutputManager, grammars, drafts=None) -> list[set[int]]:
+    drafts = drafts or [[] for _ in grammars]
+    bitmask = manager.fill_bitmask(grammars, drafts)
+    words = np.frombuffer(bitmask, dtype=np.int32).reshape(-1, manager.num_words)
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
     return [set(np.flatnonzero(row).tolist()) for row in bits]
 
@@ -136,3 +138,27 @@ def test_bitmask_width_covers_a_padded_vocabulary(smollm2_gguf, smollm2_tokenize
     assert manager.num_words == num_words(padded)
     (allowed,) = allowed_tokens(manager, [grammar])
     assert allowed and max(allowed) < len(smollm2_tokenizer)
+
+
+def test_draft_rows_follow_the_drafts_and_leave_the_parser_where_it_was(manager, smollm2_tokenizer):
+    """With drafts, a request gets a row per draft: the tokens allowed after each one, as a parser that took them
+    sees it; the grammar does not move. num_valid counts the drafts the grammar takes, in order."""
+    eos = smollm2_tokenizer.eos_token_id
+    spec = StructuredOutputsParams(json=SCHEMA)
+    ids = smollm2_tokenizer('{"name": "Bo", "ok": true}', add_special_tokens=False).input_ids
+    a, other = manager.new_grammar(spec, [eos]), manager.new_grammar(StructuredOutputsParams(regex="[0-9]+"), [eos])
+    rows = allowed_tokens(manager, [other, a], [[], ids[:3]])
+    assert len(rows) == 1 + 4
+    reference = manager.new_grammar(spec, [eos])
+    for k in range(4):
+        (want,) = allowed_tokens(manager, [reference])
+        assert rows[1 + k] == want
+        if k < 3:
+            assert reference.accept(ids[k])
+    (again,) = allowed_tokens(manager, [a])
+    assert again == rows[1]  # a did not move
+    bad = smollm2_tokenizer("x", add_special_tokens=False).input_ids[0]
+    assert a.num_valid(ids[:3] + [bad] + ids[3:5]) == 3
+    assert a.num_valid(ids) == len(ids)  # the last one completes the output
+    (still,) = allowed_tokens(manager, [a])
+    assert still == rows[1]
