@@ -56,7 +56,8 @@ class SchedulerOutput:
     # The KV connector's plain-dataclass message to its worker side (kvserve.kv_transfer.base), or None.
     kv_connector_metadata: Any = None
     # Structured outputs: the constrained requests that sample in this step, and the tokens each may sample
-    # (kvserve.structured_output.matcher: int32 words, `grammar_bitmask_words` per request, in this order).
+    # (kvserve.structured_output.matcher: int32 words, `grammar_bitmask_words` per row; a row per request in this
+    # order, and one more per draft it verifies).
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: bytes | None = None
     grammar_bitmask_words: int = 0
