@@ -58,6 +58,9 @@ from kvserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
+# The longest a step with nothing else to do waits for a grammar being compiled.
+_GRAMMAR_POLL_S = 0.02
+
 
 @dataclass
 class SchedulerStats:
@@ -108,6 +111,8 @@ class Scheduler:
         self._saving: dict[str, Request] = {}
         # Requests scheduled in this step with a synchronous load (the tokens computed before it).
         self._sync_loads: dict[str, int] = {}
+        # Requests ended because their grammar failed to compile, reported with the next step's outputs.
+        self._grammar_failures: list[EngineCoreOutput] = []
         # step_id -> the requests scheduled in that step, until its output is in.
         self._num_steps = 0
         self._step_requests: dict[int, dict[str, Request]] = {}
@@ -212,9 +217,17 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2) Waiting requests, FCFS; none while preemption is freeing memory in this step.
+        # 2) Waiting requests, FCFS; none while preemption is freeing memory in this step. Those whose grammar
+        #    still compiles are passed over, and keep their place.
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.grammar is not None and not request.grammar.ready:
+                compiling.append(self.waiting.popleft())
+                continue
+            if request.grammar is not None and request.grammar.failure is not None:
+                self._fail_grammar(self.waiting.popleft())
+                continue
             if request.status == RequestStatus.SWAPPED or request.request_id in self.kv.req_to_blocks:
                 # Resumed: swapped out, or its connector load is done. Its computed tokens stay computed.
                 num_new = request.num_tokens - request.num_computed_tokens
@@ -289,6 +302,12 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
+        self.waiting.extendleft(reversed(compiling))
+        if compiling and not num_scheduled and not self.running:
+            # Nothing to run but grammars being compiled: wait a little for one rather than spin the engine loop
+            # (which would take a core from the compile). Short, so that new requests and aborts are not held up.
+            compiling[0].grammar.wait(_GRAMMAR_POLL_S)
+
         self._num_steps += 1
         if num_scheduled and self.async_scheduling:  # synchronous: the output comes before any id can be reused
             self._step_requests[self._num_steps] = {req_id: self.requests[req_id] for req_id in num_scheduled}
@@ -361,7 +380,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules (max_tokens, max_model_len, EOS, stop ids), free finished."""
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._grammar_failures = self._grammar_failures, []
         if runner_output.kv_connector_output is not None:
             self._update_from_connector(runner_output.kv_connector_output)
         logprobs = runner_output.logprobs
@@ -439,6 +458,13 @@ class Scheduler:
             request.stop_reason = last
             return True
         return False
+
+    def _fail_grammar(self, request: Request) -> None:
+        """A waiting request whose grammar failed to compile: finished ("abort"; the reason is logged)."""
+        logger.warning("request %s: %s", request.request_id, request.grammar.failure)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free_request(request)
+        self._grammar_failures.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
 
     def _grammar_ends(self, request: Request) -> bool:
         """Advance the request's grammar by its last token: True when that completes the output (or, against the

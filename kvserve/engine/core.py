@@ -144,5 +144,6 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the workers (and the runners' KV-pool prefault threads). Idempotent."""
+        """Stop the workers (and the runners' KV-pool prefault threads) and the grammar compiler. Idempotent."""
+        self.structured_output.shutdown()
         self.executor.shutdown()

@@ -11,18 +11,23 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 
 import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
 from kvserve.sampling_params import StructuredOutputsParams
-from kvserve.structured_output.grammar import check, library_errors_as_value_errors
+from kvserve.structured_output.grammar import grammar_for, library_errors_as_value_errors
 
 logger = logging.getLogger(__name__)
 
 # Compiled grammars kept for reuse: requests with the same schema (the usual case in a service) copy one.
 _MAX_CACHED_GRAMMARS = 64
+# How long add_request waits for a compile before leaving it to its thread.
+_COMPILE_WAIT_S = 0.05
 
 
 def num_words(vocab_size: int) -> int:
@@ -30,10 +35,35 @@ def num_words(vocab_size: int) -> int:
 
 
 class RequestGrammar:
-    """One request's parser state: what it has generated so far, in its grammar."""
+    """One request's parser state: what it has generated so far, in its grammar.
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
-        self.matcher = matcher
+    Its grammar may still be compiling (`ready` False): the scheduler leaves the request waiting until it is. A
+    grammar that failed to compile raises its ValueError from `matcher` (`failure` gives the message).
+    """
+
+    def __init__(self, compiled: Future) -> None:
+        self._compiled = compiled  # the shared compiled grammar, copied for this request on first use
+        self._matcher: llguidance.LLMatcher | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._matcher is not None or self._compiled.done()
+
+    def wait(self, timeout: float) -> None:
+        """Block until the grammar is compiled, or `timeout` seconds."""
+        futures_wait([self._compiled], timeout)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the grammar could not be compiled, once ready; None if it was."""
+        error = self._compiled.exception() if self._matcher is None else None
+        return None if error is None else str(error)
+
+    @property
+    def matcher(self) -> llguidance.LLMatcher:
+        if self._matcher is None:
+            self._matcher = self._compiled.result().deep_copy()
+        return self._matcher
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar refuses it (the mask should have made that impossible)."""
@@ -57,7 +87,9 @@ class StructuredOutputManager:
     """Compiles grammars for the engine core and fills the step's bitmask.
 
     The llguidance tokenizer (the vocabulary as bytes, ~0.5 s to build) is made at the first constrained request,
-    so an engine that never sees one never pays for it.
+    so an engine that never sees one never pays for it. Grammars compile on a thread of their own: most take
+    milliseconds (and a failure then is the caller's ValueError at once), but some take seconds (a regex such as
+    `[a-z]{1,1000}{1,1000}`: ~4 s), which the engine loop, and every other request, must not wait for.
     """
 
     def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
@@ -65,29 +97,36 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._mask_vocab = vocab_size  # the tokens a bitmask covers, set with the tokenizer
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[str, Future] = OrderedDict()
         self._executor: llguidance.LLExecutor | None = None
+        self._compiler: ThreadPoolExecutor | None = None
 
     @property
     def num_words(self) -> int:
-        """int32 words per request in a bitmask."""
+        """int32 words per row of a bitmask."""
         return num_words(self._mask_vocab)
 
     def new_grammar(self, params: StructuredOutputsParams, eos_token_ids: Iterable[int]) -> RequestGrammar:
-        """A fresh parser for `params`; ValueError if the grammar is invalid."""
-        grammar = check(params)
-        prototype = self._compiled.get(grammar)
-        if prototype is None:
-            with library_errors_as_value_errors():
-                prototype = llguidance.LLMatcher(self._tokenizer(eos_token_ids), grammar, log_level=0)
-            if prototype.is_error():
-                raise ValueError(f"invalid structured output specification: {prototype.get_error()}")
-            self._compiled[grammar] = prototype
+        """A fresh parser for `params`, maybe still compiling; ValueError if the grammar is invalid (when that shows
+        within `_COMPILE_WAIT_S`)."""
+        with library_errors_as_value_errors():  # validated by the frontend; compiling checks it again
+            grammar = grammar_for(params)
+        compiled = self._compiled.get(grammar)
+        if compiled is None:
+            tokenizer = self._tokenizer(eos_token_ids)
+            if self._compiler is None:
+                self._compiler = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
+            compiled = self._compiler.submit(_compile, tokenizer, grammar)
+            self._compiled[grammar] = compiled
             if len(self._compiled) > _MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(grammar)
-        return RequestGrammar(prototype.deep_copy())
+        try:
+            compiled.result(timeout=_COMPILE_WAIT_S)
+        except FutureTimeout:
+            pass  # still compiling: the request waits in the queue
+        return RequestGrammar(compiled)
 
     def fill_bitmask(self, grammars: list[RequestGrammar], drafts: list[list[int]]) -> bytes:
         """The allowed next tokens of each grammar, in order (see the module docstring for the layout), then, for
@@ -112,6 +151,10 @@ class StructuredOutputManager:
             fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
         return bitmask.tobytes()
 
+    def shutdown(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
+
     def _tokenizer(self, eos_token_ids: Iterable[int]) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:
             import llguidance.hf  # imports transformers: only once a constrained request comes
@@ -126,3 +169,12 @@ class StructuredOutputManager:
             )
             logger.info("structured outputs: llguidance tokenizer built (%d tokens)", self._mask_vocab)
         return self._ll_tokenizer
+
+
+def _compile(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    """The compiled grammar (llguidance releases the GIL while it builds it); ValueError if it is invalid."""
+    with library_errors_as_value_errors():
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(f"invalid structured output specification: {matcher.get_error()}")
+    return matcher

@@ -252,3 +252,27 @@ def test_async_scheduling_refuses_constrained_requests(model_path):
         llm.generate(rand_prompts(1, 0), greedy(SPECS["choice"]), use_tqdm=False)
     llm.generate(rand_prompts(2, 0), SamplingParams(max_tokens=4), use_tqdm=False)
     assert_all_blocks_free(llm)
+
+
+def test_a_slow_grammar_compiles_beside_the_engine(model_path):
+    """A grammar that takes a while to compile (30,000 choices: ~0.7 s on kind A) does not stop the engine: the
+    free requests sent with it are scheduled at once, while it waits in the queue; then it runs, under its
+    grammar."""
+    llm = LLM(model_path, dtype="float32", max_model_len=128)
+    engine = llm.engine
+    choices = [f"option {i:05d}" for i in range(30_000)]
+    engine.add_request("slow", rand_prompts(1, 7)[0], greedy(StructuredOutputsParams(choice=choices), 8))
+    for i, prompt in enumerate(rand_prompts(3, 8)):
+        engine.add_request(f"free{i}", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    scheduler = engine.engine_core.scheduler
+    assert not scheduler.requests["slow"].grammar.ready  # compiling on its own thread; add_request returned
+    engine.step()
+    assert {r.request_id for r in scheduler.running} == {"free0", "free1", "free2"}
+    assert [r.request_id for r in scheduler.waiting] == ["slow"]
+    text = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "slow" and out.finished:
+                text = out.outputs[0].text
+    assert text in choices
+    assert_all_blocks_free(llm)
