@@ -88,8 +88,8 @@ class StructuredOutputManager:
 
     The llguidance tokenizer (the vocabulary as bytes, ~0.5 s to build) is made at the first constrained request,
     so an engine that never sees one never pays for it. Grammars compile on a thread of their own: most take
-    milliseconds (and a failure then is the caller's ValueError at once), but some take seconds (a regex such as
-    `[a-z]{1,1000}{1,1000}`: ~4 s), which the engine loop, and every other request, must not wait for.
+    milliseconds (and a failure then is the caller's ValueError at once), but a large one takes much longer (a
+    choice among tens of thousands of strings), which the engine loop, and every other request, must not wait for.
     """
 
     def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
