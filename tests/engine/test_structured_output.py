@@ -254,7 +254,7 @@ def test_async_scheduling_refuses_constrained_requests(model_path):
 
 
 def test_a_slow_grammar_compiles_beside_the_engine(model_path):
-    """A grammar that takes a while to compile (100,000 choices: ~0.6 s on an idle kind A) does not stop the engine: the
+    """A grammar that takes a while to compile (100,000 choices: ~0.7 s on an idle kind A) does not stop the engine: the
     free requests sent with it are scheduled at once, while it waits in the queue; then it runs, under its
     grammar."""
     llm = LLM(model_path, dtype="float32", max_model_len=128)
