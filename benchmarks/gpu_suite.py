@@ -305,7 +305,7 @@ def step_breakdown(llm, prompt: list[int], num_tokens: int, graphs: bool) -> dic
     from kvserve import SamplingParams
 
     core = llm.engine.engine_core
-    timer, runner = core.timer, core.runner
+    timer, runner = core.timer, core.executor.driver_runner
     timer.enabled = True
     timer.reset()
     start = time.perf_counter()
@@ -390,7 +390,7 @@ def stage_roofline(res: dict, args) -> None:
             enforce_eager=not graphs,
             async_scheduling=mode.endswith("-async"),
         )
-        weight_bytes = weights_read_per_step(llm.engine.engine_core.runner.model)
+        weight_bytes = weights_read_per_step(llm.engine.engine_core.executor.driver_runner.model)
         step = decode_step_time(llm, prompt, args.roofline_short, args.roofline_long)
         floor = weight_bytes / bandwidth
         key = mode

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvserve.worker.worker import free_port
+from kvserve.process_utils import free_port
 
 HIDDEN = 576
 VOCAB_HALF = 24576

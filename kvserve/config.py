@@ -87,15 +87,24 @@ class SchedulerConfig:
     async_scheduling: bool = False
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
 @dataclass(frozen=True)
 class KVTransferConfig:
     """A KV connector chosen by name (kvserve.kv_transfer.factory) and its own options, e.g.
     {"kv_connector": "offload", "cpu_bytes": "2GiB", "disk_path": "/var/cache/kvserve", "disk_bytes": "20GiB"}."""
 
     kv_connector: str
-    # The connector's options (every key but kv_connector), as sorted (key, value) pairs so the config stays
-    # hashable and immutable; `options` gives them back as a dict.
+    # The connector's options (every key but kv_connector, kv_role and engine_id), as sorted (key, value) pairs so
+    # the config stays immutable; `options` gives them back as a dict.
     extra: tuple[tuple[str, object], ...] = ()
+    # vLLM's roles: what this instance does with KV between instances (prefill/decode disaggregation): produce it
+    # (a prefill instance), consume it (a decode instance), or both. Connectors that only move KV within an
+    # instance (the offload tiers) ignore it.
+    kv_role: str = "kv_both"
+    # This instance's name among instances that exchange KV (None: a random one at start-up).
+    engine_id: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> KVTransferConfig:
@@ -107,8 +116,13 @@ class KVTransferConfig:
         if not isinstance(nested, dict):
             raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")
         d.update(nested)
-        d.pop("kv_role", None)  # vLLM's; every kvserve connector both saves and loads
-        return cls(name, tuple(sorted(d.items())))
+        role = d.pop("kv_role", None) or "kv_both"
+        if role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, got {role!r}")
+        engine_id = d.pop("engine_id", None)
+        if engine_id is not None and (not isinstance(engine_id, str) or not engine_id):
+            raise ValueError(f"kv_transfer_config: engine_id must be a non-empty string, got {engine_id!r}")
+        return cls(name, tuple(sorted(d.items())), role, engine_id)
 
     @property
     def options(self) -> dict:
@@ -128,7 +142,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # n-gram: longest suffix to match (tried first)
     # Speculate only while at most this many requests run (vLLM's name); None: no limit.
     disable_by_batch_size: int | None = None
-    # The measured rule of kvserve.core.spec_decode: fewer drafts per step as the batch grows, none for
+    # The measured rule of kvserve.core.spec_policy: fewer drafts per step as the batch grows, none for
     # requests whose drafts keep being rejected.
     adaptive: bool = True
     # Resolved by EngineArgs from `model`: the draft model's (or the EAGLE head's) config.
@@ -167,6 +181,38 @@ class SpeculativeConfig:
         return config
 
 
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events (vLLM's `kv_events_config`): which blocks each tier gains and loses, published by the
+    engine-core process for a global index or a cache-aware router (kvserve/core/kv_events.py)."""
+
+    # "zmq": msgpack batches on a ZMQ PUB socket at `endpoint` (a replay socket at `replay_endpoint`, if set,
+    # answers requests for recent batches by sequence number); "null": collected and dropped (tests, overhead).
+    publisher: str = "zmq"
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str | None = None
+    topic: str = "kv-events"
+    buffer_steps: int = 10_000  # batches kept for replay
+
+    _PUBLISHERS = ("zmq", "null")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KVEventsConfig | None:
+        """vLLM's keys; `enable_kv_cache_events` false (the default there) gives None."""
+        d = dict(d)
+        if not d.pop("enable_kv_cache_events", True):
+            return None
+        unknown = sorted(set(d) - {f for f in cls.__dataclass_fields__ if not f.startswith("_")})
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown key(s) {', '.join(unknown)}")
+        config = cls(**d)
+        if config.publisher not in cls._PUBLISHERS:
+            raise ValueError(f"kv_events_config: publisher must be one of {', '.join(cls._PUBLISHERS)}")
+        if not isinstance(config.buffer_steps, int) or config.buffer_steps < 0:
+            raise ValueError("kv_events_config: buffer_steps must be an integer >= 0")
+        return config
+
+
 EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
 
 
@@ -192,3 +238,4 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_events: KVEventsConfig | None = None

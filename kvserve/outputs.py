@@ -44,6 +44,9 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     # Finished because its structured output is complete: the last token is content, not a stop token to hide.
     grammar_completed: bool = False
+    # Set on a finished request's last output only: what the KV connector tells the client (e.g. where another
+    # instance can fetch this request's KV: prefill/decode disaggregation), vLLM's field.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -83,3 +86,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: None = None  # vLLM's field; prompt logprobs are not supported, so always None
+    # The KV connector's parameters for the client, on the finished output (EngineCoreOutput.kv_transfer_params).
+    kv_transfer_params: dict[str, Any] | None = None

@@ -51,6 +51,8 @@ class EngineCoreRequest:
     arrival_time: float
     # Resolved by the frontend: the user's max_tokens, or whatever room is left up to max_model_len.
     max_tokens: int
+    # For the KV connector, from the client (vLLM's field: e.g. where a prefill instance left this prompt's KV).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class Request:
@@ -71,6 +73,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.max_tokens = core_req.max_tokens
+        self.kv_transfer_params = core_req.kv_transfer_params
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

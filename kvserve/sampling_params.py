@@ -92,6 +92,9 @@ class SamplingParams:
     cache_salt: str | None = None
     # Constrain the output to a JSON schema, regex, choice or grammar (kvserve.structured_output).
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's free-form extras; kvserve reads `kv_transfer_params` (a dict for the KV connector: e.g. where a
+    # prefill instance left this prompt's KV), which the OpenAI server fills from the request body's field.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -149,6 +152,15 @@ class SamplingParams:
                 raise bad("stop_token_ids", f"must be a list of non-negative integers, got {t!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", f"must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", f"must be a dict or None, got {self.extra_args!r}")
+        params = (self.extra_args or {}).get("kv_transfer_params")
+        if params is not None and not isinstance(params, dict):
+            raise bad("extra_args", f"['kv_transfer_params'] must be an object, got {params!r}")
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        return (self.extra_args or {}).get("kv_transfer_params")
 
     @property
     def greedy(self) -> bool:

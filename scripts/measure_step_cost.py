@@ -6,7 +6,7 @@ R running requests, each with `context` tokens in its KV cache and q query token
 decode; q = 1 + k: verifying k drafts), go through the model's forward and the LM head at every query position,
 as the runner does when it verifies drafts. Prints the median ms per step for R in 1..64 and q in 1..5, and the
 marginal cost of the drafts' tokens against the plain decode step of the same R. The KV contents are whatever the
-pool holds (timing only). kvserve.core.spec_decode's FLAT_STEP_TOKENS is read off this table.
+pool holds (timing only). kvserve.core.spec_policy's FLAT_STEP_TOKENS is read off this table.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main() -> None:
     max_r, max_q = max(ns.batch_sizes), max(ns.query_lens)
     blocks_per_req = -(-(ns.context + max_q) // bs)
     llm = LLM(ns.model, max_model_len=ns.context + max_q + 16, num_kv_blocks=max_r * blocks_per_req + 1)
-    runner = llm.engine.engine_core.runner
+    runner = llm.engine.engine_core.executor.driver_runner
     model, backend = runner.model, runner.attn_backend
     table = np.arange(max_r * blocks_per_req, dtype=np.int32).reshape(max_r, blocks_per_req)
     results = []

@@ -105,3 +105,26 @@ def test_platform_never_imports_torch():
     code = "import sys, kvserve.platform as p; p.cpu_info(); p.default_dtype(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_engine_never_reaches_into_a_runner():
+    """The engine core builds everything from the executor's KVCacheSpec and plain calls: no file of engine/ reads
+    an executor's `driver_runner` or a `.runner` attribute (tools and tests may, through the executor)."""
+    for path in (PKG / "engine").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        bad = [
+            node.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr in ("driver_runner", "runner")
+        ]
+        assert not bad, f"engine/{path.relative_to(PKG / 'engine')} reads {bad}"
+
+
+def test_core_and_connector_scheduler_sides_stay_torch_free():
+    code = (
+        "import sys, kvserve.kv_cache_spec, kvserve.core.kv_events, kvserve.kv_transfer.multi, "
+        "kvserve.kv_transfer.aggregate, kvserve.kv_transfer.offload.scheduler, kvserve.engine.combinations; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -48,6 +48,12 @@ class AttentionBackend(ABC):
         """The kernels this backend runs, for the start-up summary."""
         return type(self).__name__
 
+    def kv_layout(self, block_size: int) -> str:
+        """The order of the elements inside a block of caches of this block size (part of the KV layout id:
+        blocks stored under another layout are never loaded). Backends that read the same standard layout
+        (`[num_blocks, block_size, num_kv_heads, head_dim]`, row-major) can read each other's blocks."""
+        return "standard"
+
     @abstractmethod
     def build_metadata(self, inputs: AttentionInputs) -> Any:
         """Called once per step; the result is handed to every layer."""

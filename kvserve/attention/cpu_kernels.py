@@ -85,6 +85,9 @@ class CpuKernelAttentionBackend(AttentionBackend):
         """Whether caches of this block size hold the pair-packed layout (fixed for a cache's whole life)."""
         return self.dtype == torch.bfloat16 and self.kernels.packed_kv_supported(self.head_dim, self.group, block_size)
 
+    def kv_layout(self, block_size: int) -> str:
+        return "bf16-pair-packed" if self.uses_packed_layout(block_size) else "standard"
+
     def describe(self, block_size: int) -> str:
         """Which kernels run attention (and the elementwise ops and sampling, which share the build)."""
         layout = ", pair-packed bf16 KV" if self.uses_packed_layout(block_size) else ""

@@ -54,7 +54,7 @@ def window_nll(llm, token_ids: list[int]) -> tuple[float, int]:
 
     from kvserve.attention.base import AttentionInputs
 
-    runner = llm.engine.engine_core.runner
+    runner = llm.engine.engine_core.executor.driver_runner
     n = len(token_ids)
     num_blocks = -(-n // runner.block_size)
     if num_blocks > runner.num_blocks:
@@ -113,7 +113,7 @@ def main(ns: argparse.Namespace) -> int:
         if reference_outputs is None:
             reference_outputs = outputs
         agree = [common_prefix(a, b) for a, b in zip(reference_outputs, outputs, strict=True)]
-        runner = llm.engine.engine_core.runner
+        runner = llm.engine.engine_core.executor.driver_runner
         row = {
             "mode": mode,
             "perplexity": math.exp(total / count),

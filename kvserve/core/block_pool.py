@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvserve.core.hashing import BlockHash
+from kvserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 class KVBlock:
@@ -111,7 +112,12 @@ class PrefixCacheStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    """`enable_kv_events`: queue a KVCacheEvent for every hash the cache gains or loses (`take_events`); the
+    events name `block_size` tokens per block."""
+
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, enable_kv_events: bool = False, block_size: int = 0
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -122,6 +128,15 @@ class BlockPool:
         # parent hash -> hashes of cached blocks whose parent it is (the parent itself may be gone).
         self._children: dict[BlockHash, set[BlockHash]] = {}
         self.stats = PrefixCacheStats()
+        self._events: list[KVCacheEvent] | None = [] if enable_kv_events else None
+        self.block_size = block_size
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events queued since the last call, oldest first."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -157,15 +172,22 @@ class BlockPool:
             block.ref_cnt += 1
 
     def cache_full_blocks(
-        self, blocks: list[KVBlock], block_hashes: list[BlockHash], num_cached: int, num_full: int
+        self,
+        blocks: list[KVBlock],
+        block_hashes: list[BlockHash],
+        num_cached: int,
+        num_full: int,
+        token_ids: list[int] | None = None,
     ) -> None:
-        """Register blocks[num_cached:num_full] under block_hashes[i].
+        """Register blocks[num_cached:num_full] under block_hashes[i]. `token_ids`: the request's tokens (at least
+        num_full blocks of them), for the BlockStored event.
 
         A hash that already maps to another block (the same prefix computed twice concurrently) keeps its first
         block; the duplicate stays uncached and returns to the plain free list when released.
         """
         if not self.enable_caching:
             return
+        stored: list[int] = []  # indices newly registered, for the event
         for i in range(num_cached, num_full):
             block = blocks[i]
             if block.block_hash is not None:  # a prefix hit: already cached
@@ -179,6 +201,30 @@ class BlockPool:
             self.cached[block_hash] = block
             if parent is not None:
                 self._children.setdefault(parent, set()).add(block_hash)
+            stored.append(i)
+        if self._events is not None and stored:
+            self._queue_stored(block_hashes, stored, token_ids)
+
+    def _queue_stored(self, block_hashes: list[BlockHash], stored: list[int], token_ids: list[int] | None) -> None:
+        """One BlockStored per run of consecutive newly cached blocks (a chain with one parent)."""
+        assert self._events is not None
+        block_size = self.block_size
+        run: list[int] = []
+        for i in [*stored, -1]:
+            if run and (i != run[-1] + 1):
+                first, last = run[0], run[-1] + 1
+                tokens = token_ids[first * block_size : last * block_size] if token_ids is not None else []
+                self._events.append(
+                    BlockStored(
+                        block_hashes=[block_hashes[j] for j in run],
+                        parent_block_hash=block_hashes[first - 1] if first > 0 else None,
+                        token_ids=list(tokens),
+                        block_size=block_size,
+                    )
+                )
+                run = []
+            if i >= 0:
+                run.append(i)
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the queue in the given order
@@ -200,6 +246,8 @@ class BlockPool:
             block.block_hash = block.parent_hash = None
         self.cached.clear()
         self._children.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         return True
 
     def _is_orphan(self, block: KVBlock) -> bool:
@@ -217,6 +265,8 @@ class BlockPool:
                     del self._children[block.parent_hash]
         block.block_hash = block.parent_hash = None
         self.stats.num_evictions += 1
+        if self._events is not None:
+            self._events.append(BlockRemoved([block_hash]))
         self._demote_descendants(block_hash)
 
     def _demote_descendants(self, root_hash: BlockHash) -> None:

@@ -17,10 +17,12 @@ class KVCacheManager:
     already hit them.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_kv_events: bool = False
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, enable_kv_events, block_size)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are registered in the cache (or were hits).
         self._num_cached_blocks: dict[str, int] = {}
@@ -111,7 +113,9 @@ class KVCacheManager:
         num_cached = self._num_cached_blocks[req_id]
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         if num_full > num_cached:
-            self.pool.cache_full_blocks(self.req_to_blocks[req_id], request.block_hashes, num_cached, num_full)
+            self.pool.cache_full_blocks(
+                self.req_to_blocks[req_id], request.block_hashes, num_cached, num_full, request.all_token_ids
+            )
             self._num_cached_blocks[req_id] = num_full
 
     def free(self, request: Request) -> None:

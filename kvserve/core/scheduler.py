@@ -15,6 +15,9 @@ the prefix-cache lookup it may hold more of the prompt. A synchronous hit is sch
 tokens counted as computed (the worker loads them before the forward pass). An asynchronous one gets its blocks and
 waits in WAITING_FOR_REMOTE_KVS (not schedulable, holding its blocks outside the prefix cache) until the worker
 reports the load done or failed, then resumes from the waiting queue with the loaded tokens counted as computed.
+A connector that cannot answer yet ("ask again") leaves the request in its place in the waiting queue for the next
+step, like a request whose grammar is still compiling. When a request ends the connector may keep its blocks
+(until it reports the save done) and give kv_transfer_params for the request's final output.
 
 Speculative decoding fits the same rule: a decoding request that carries k draft tokens (proposed by the runner
 after its last step) is scheduled 1 + k tokens, and its KV slots are allocated for all of them. Only tokens in
@@ -48,8 +51,9 @@ from typing import Any
 
 from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_events import KVCacheEvent
 from kvserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from kvserve.core.spec_decode import SpecDecodePolicy, SpecDecodingStats
+from kvserve.core.spec_policy import SpecDecodePolicy, SpecDecodingStats
 from kvserve.core.swap import SwapManager
 from kvserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 from kvserve.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -86,11 +90,15 @@ class Scheduler:
         connector: KVConnectorScheduler | None = None,
         num_swap_blocks: int = 0,
         structured_output: Any = None,
+        enable_kv_events: bool = False,
     ) -> None:
         self.config = config
         self.async_scheduling = config.async_scheduling
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, enable_kv_events
+        )
+        self.enable_kv_events = enable_kv_events
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -151,6 +159,7 @@ class Scheduler:
                 self._finished_req_ids.add(req_id)
                 del self.requests[req_id]
                 if self.connector is not None:
+                    # Its blocks stay until the load is reported whatever the connector says.
                     self.connector.request_finished(request, self.kv.get_block_ids(req_id))
                 continue
             if request.status == RequestStatus.RUNNING:
@@ -218,12 +227,14 @@ class Scheduler:
             i += 1
 
         # 2) Waiting requests, FCFS; none while preemption is freeing memory in this step. Those whose grammar
-        #    still compiles are passed over, and keep their place.
+        #    still compiles, or whose connector cannot say yet what it holds, are passed over and keep their place.
         compiling: list[Request] = []
+        passed_over: list[Request] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.grammar is not None and not request.grammar.ready:
                 compiling.append(self.waiting.popleft())
+                passed_over.append(compiling[-1])
                 continue
             if request.grammar is not None and request.grammar.failure is not None:
                 self._fail_grammar(self.waiting.popleft())
@@ -248,7 +259,11 @@ class Scheduler:
                 computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
                 num_external, load_async = 0, False
                 if self.connector is not None:
-                    num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                    answer, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                    if answer is None:  # ask again next step
+                        passed_over.append(self.waiting.popleft())
+                        continue
+                    num_external = answer
                     load_async = load_async and num_external > 0
                 num_loaded = num_hit_tokens + num_external  # computed once the loads are in
                 num_new = request.num_tokens - num_loaded
@@ -302,7 +317,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(passed_over))
         if compiling and not num_scheduled and not self.running:
             # Nothing to run but grammars being compiled: wait a little for one rather than spin the engine loop
             # (which would take a core from the compile). Short, so that new requests and aborts are not held up.
@@ -436,7 +451,7 @@ class Scheduler:
                     if was_swapped:
                         assert self.swap is not None
                         self.swap.drop(req_id)
-                self._free_request(request)
+                output.kv_transfer_params = self._free_request(request)
             elif runner_output.spec_token_ids is not None and self.spec_config is not None:
                 request.spec_token_ids = runner_output.spec_token_ids[idx][: self._max_drafts(request)]
             outputs.append(output)
@@ -549,15 +564,29 @@ class Scheduler:
         self.waiting.appendleft(request)
         return pairs or []
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> dict | None:
+        """Forget a finished request and free its blocks, unless the connector keeps them for a save or a remote
+        reader (then they go when it reports the save done). Returns the connector's kv_transfer_params for the
+        request's final output."""
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
-        if self.connector is not None and self.connector.request_finished(
-            request, self.kv.get_block_ids(request.request_id)
-        ):
-            self._saving[request.request_id] = request  # its blocks go when the connector's save is done
-            return
+        params = None
+        if self.connector is not None:
+            keep, params = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+            if keep:
+                self._saving[request.request_id] = request
+                return params
         self.kv.free(request)
+        return params
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The KV events since the last call: the pool's, then the connector's tiers' (kvserve/core/kv_events.py)."""
+        if not self.enable_kv_events:
+            return []
+        events = self.kv.pool.take_events()
+        if self.connector is not None:
+            events += self.connector.take_events()
+        return events
 
     def _update_from_connector(self, output: KVConnectorOutput) -> None:
         """Asynchronous loads done resume their requests first in the waiting queue (a failed one with the tokens

@@ -42,9 +42,6 @@ class SwapManager:
         self.stats.num_blocks_swapped_out += len(swap_ids)
         return list(zip(device_block_ids, swap_ids, strict=True))
 
-    def num_held(self, req_id: str) -> int:
-        return len(self._held.get(req_id, ()))
-
     def swap_in(self, req_id: str, device_block_ids: list[int]) -> list[tuple[int, int]]:
         """Pairs that copy the request's swap blocks into its new device blocks; the swap blocks are free again
         (the copy runs before anything could reuse them: a step never both swaps out and in)."""

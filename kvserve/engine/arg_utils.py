@@ -11,6 +11,7 @@ from kvserve.config import (
     EXECUTOR_BACKENDS,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
@@ -18,6 +19,7 @@ from kvserve.config import (
     SpeculativeConfig,
 )
 from kvserve.distributed.sharding import check_head_split
+from kvserve.engine.combinations import check_engine_config
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
 from kvserve.loader.default_model import find_gguf, resolve_model_path
 from kvserve.loader.gguf_weights import gguf_arch_config, gguf_linears_quantized
@@ -106,10 +108,12 @@ class EngineArgs:
     preemption_mode: "recompute" (default) or "swap" (a preempted request's KV goes to `swap_space` bytes of CPU
     memory and comes back; recompute when that is full). swap_space: bytes or "4GiB" (default 1 GiB with swap).
     kv_transfer_config: a KV connector, a dict (or its JSON) such as {"kv_connector": "offload", "cpu_bytes":
-    "2GiB", "disk_path": "/tmp/kv", "disk_bytes": "20GiB"} (kvserve/kv_transfer).
+    "2GiB", "disk_path": "/tmp/kv", "disk_bytes": "20GiB"} (kvserve/kv_transfer), with vLLM's `kv_role`.
+    kv_events_config: publish KV cache events, a dict (or its JSON) with vLLM's keys, e.g.
+    {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"} (config.KVEventsConfig).
     async_scheduling: schedule the next step while the current one runs, so that the host's work (scheduling,
-    inputs, launches) overlaps the device's; outputs come one step later. Off by default; not with speculative
-    decoding, a KV connector or TP > 1.
+    inputs, launches) overlaps the device's; outputs come one step later. Off by default; what it does not combine
+    with is refused with the reason (engine/combinations.py).
     tensor_parallel_size: ranks the model is split over (heads, MLP columns, vocabulary).
     distributed_executor_backend: where the ranks run: "uniproc" (in the engine process; TP=1 only), "mp" (worker
     processes on this machine) or "ray" (Ray actors; a Ray cluster's machines); None: uniproc for TP=1, else mp.
@@ -144,6 +148,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: int | str | None = None
     kv_transfer_config: dict | str | None = None
+    kv_events_config: dict | str | None = None
     async_scheduling: bool = False
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -250,30 +255,21 @@ class EngineArgs:
         kv_transfer = _kv_transfer_config(self.kv_transfer_config)
         if speculative is not None and speculative.method != "ngram":
             speculative = replace(speculative, draft=draft_model_config(speculative, model))
-        self._check_device_options(model, speculative)
-        if self.async_scheduling:
-            refused = [
-                name
-                for name, on in (
-                    ("speculative decoding", speculative is not None),
-                    ("a KV connector (kv_transfer_config)", kv_transfer is not None),
-                    ("tensor_parallel_size > 1 or a non-uniproc executor", self._backend() != "uniproc"),
-                )
-                if on
-            ]
-            if refused:
-                raise ValueError(f"async_scheduling does not work with {' or '.join(refused)} yet")
-        return EngineConfig(
+        self._check_device_options(model)
+        config = EngineConfig(
             model=model,
             cache=cache,
             scheduler=scheduler,
             threads=threads,
             speculative=speculative,
             kv_transfer=kv_transfer,
-            parallel=self._parallel_config(arch, model.quantization, speculative),
+            parallel=self._parallel_config(arch),
+            kv_events=_kv_events_config(self.kv_events_config),
         )
+        check_engine_config(config)
+        return config
 
-    def _check_device_options(self, model: ModelConfig, speculative: SpeculativeConfig | None) -> None:
+    def _check_device_options(self, model: ModelConfig) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -283,23 +279,11 @@ class EngineArgs:
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
-        if not model.device.startswith("cuda"):
-            return
-        # What the GPU path does not cover yet, refused before anything loads.
-        unsupported = []
-        if self.tensor_parallel_size != 1:
-            unsupported.append("tensor_parallel_size > 1 (no NCCL communicator yet)")
-        if model.quantization is not None:
-            unsupported.append(f"quantization {model.quantization} (CPU int8 kernels)")
-        if self.attention_backend in ("cpu", "torch"):
-            unsupported.append(f"attention_backend {self.attention_backend} (CPU backends)")
-        if unsupported:
-            raise ValueError(f"device {model.device}: not supported on the GPU yet: {'; '.join(unsupported)}")
 
     def _backend(self) -> str:
         return self.distributed_executor_backend or ("uniproc" if self.tensor_parallel_size == 1 else "mp")
 
-    def _parallel_config(self, arch, quantization: str | None, speculative: SpeculativeConfig | None) -> ParallelConfig:
+    def _parallel_config(self, arch) -> ParallelConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
@@ -316,23 +300,17 @@ class EngineArgs:
                 raise ValueError(
                     f"intermediate_size ({arch.intermediate_size}) is not divisible by tensor_parallel_size ({tp})"
                 )
-            if quantization is not None:
-                raise ValueError(f"quantization {quantization} is not supported with tensor_parallel_size > 1 yet")
-        if backend != "uniproc" and (self.kv_transfer_config is not None or self.preemption_mode == "swap"):
-            raise ValueError(
-                "kv_transfer_config and preemption_mode='swap' need the uniproc executor (tensor_parallel_size 1) "
-                "for now"
-            )
-        if tp > 1 and speculative is not None and speculative.method != "ngram":
-            raise ValueError(
-                f"speculative method {speculative.method} is not supported with tensor_parallel_size > 1 yet"
-            )
         timeout = self.worker_timeout_s
         if timeout is None:
             return ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"worker_timeout_s must be a number > 0, got {timeout!r}")
         return ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend, worker_timeout_s=timeout)
+
+
+def _kv_events_config(value: dict | str | None) -> KVEventsConfig | None:
+    value = json_object(value, "kv_events_config")
+    return KVEventsConfig.from_dict(value) if value is not None else None
 
 
 def _kv_transfer_config(value: dict | str | None) -> KVTransferConfig | None:
@@ -515,6 +493,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='KV connector as JSON, e.g. \'{"kv_connector": "offload", "cpu_bytes": "2GiB", "disk_path": '
         '"/tmp/kvserve-kv", "disk_bytes": "20GiB"}\' (RAM and disk tiers beyond the KV pool)',
+    )
+    g.add_argument(
+        "--kv-events-config",
+        default=None,
+        help='publish KV cache events as JSON, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://127.0.0.1:5557"}\' (for a global KV index or a cache-aware router)',
     )
 
 

@@ -1,5 +1,10 @@
 """EngineCore: the schedule -> execute -> update loop. No I/O; the frontend or a process wrapper drives it.
 
+Start-up: the executor's workers load the model and describe their KV cache (a KVCacheSpec, merged over the
+tensor-parallel ranks); the core sizes the pool and the swap space from it, has the workers allocate both with
+their connector sides, and builds the scheduler and the connector's scheduler side from the same spec. It never
+reaches into a worker's runner.
+
 With async scheduling a step schedules and launches step N+1, then updates from step N's output: the scheduler
 runs while the device still computes, and each step's outputs come one call later.
 """
@@ -7,12 +12,15 @@ runs while the device still computes, and each step's outputs come one call late
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, replace
 
 from kvserve.config import EngineConfig
+from kvserve.core.kv_events import KVEventBatch
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
-from kvserve.core.spec_decode import SpecDecodingStats
+from kvserve.core.spec_policy import SpecDecodingStats
+from kvserve.engine.combinations import check_request
 from kvserve.engine.messages import CoreStats
 from kvserve.executor.base import get_executor_class
 from kvserve.kv_transfer.factory import create_scheduler_connector
@@ -39,21 +47,21 @@ class EngineCore:
         self.timer = StepTimer()  # enable to account step time by phase (benchmarks)
         # The workers (one per tensor-parallel rank) load the model; the KV pool is what every rank can hold.
         self.executor = get_executor_class(config.parallel)(config, self.timer)
+        connector = None
         try:
+            self.kv_cache_spec = self.executor.get_kv_cache_spec()
             self.num_blocks = self.executor.determine_num_kv_blocks()
-            self.executor.initialize_kv_cache(self.num_blocks)
+            # The swap budget pays for every rank's slice of a block (and a draft's pool, which moves with it).
+            num_swap_blocks = config.cache.swap_space // self.kv_cache_spec.block_bytes
+            self.executor.initialize_kv_cache(self.num_blocks, num_swap_blocks, self.kv_cache_spec)
+            if config.kv_transfer is not None:
+                connector = create_scheduler_connector(config.kv_transfer, self.kv_cache_spec)
+                connector.set_handshake_metadata(self.executor.get_handshake_metadata())
         except BaseException:
             self.executor.shutdown()
             raise
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: SchedulerOutput | None = None  # async: the launched step whose output is not back
-        connector, num_swap_blocks = None, 0
-        if config.kv_transfer is not None or config.scheduler.preemption_mode == "swap":
-            # Validation keeps both to the uniproc executor, whose runner is in this process.
-            runner = self.executor.driver_runner
-            num_swap_blocks = runner.num_swap_blocks
-            if config.kv_transfer is not None:
-                connector = create_scheduler_connector(config.kv_transfer, runner.kv_connector_info)
         self.structured_output = StructuredOutputManager(config.model.tokenizer, config.model.arch.vocab_size)
         self.scheduler = Scheduler(
             config.scheduler,
@@ -63,24 +71,18 @@ class EngineCore:
             connector=connector,
             num_swap_blocks=num_swap_blocks,
             structured_output=self.structured_output,
+            enable_kv_events=config.kv_events is not None,
         )
-
-    @property
-    def runner(self):
-        """The in-process ModelRunner (uniproc executor only), for benchmarks and tools."""
-        return self.executor.driver_runner
 
     @property
     def max_tokens_per_request(self) -> int:
         return self.scheduler.max_tokens_per_request
 
     def add_request(self, core_req: EngineCoreRequest) -> None:
+        check_request(self.config, core_req.sampling_params)
         request = Request(core_req, self.config.cache.block_size)
         constraint = core_req.sampling_params.structured_outputs
         if constraint is not None:
-            if self.async_scheduling:
-                # Step N+1's mask needs step N's token, which async scheduling does not wait for.
-                raise ValueError("structured outputs are not supported with async scheduling")
             request.grammar = self.structured_output.new_grammar(constraint, core_req.eos_token_ids)
         self.scheduler.add_request(request)
 
@@ -104,12 +106,13 @@ class EngineCore:
         if self.async_scheduling:
             return self._step_async(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
+        assert runner_output is not None
         with timer.phase("update"):
             return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_async(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         previous, self._in_flight = self._in_flight, None if scheduler_output.is_empty else scheduler_output
-        runner_output = self.executor.execute_model_async(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         if previous is None:
             assert runner_output is None, "the runner returned an output for no step"
             return []
@@ -119,6 +122,12 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The KV events of the steps since the last call (the pool's and the connector's), or None when there
+        are none or events are off; the engine-core process publishes them."""
+        events = self.scheduler.take_kv_events()
+        return KVEventBatch(time.time(), events) if events else None
 
     def make_stats(self) -> CoreStats:
         """KV usage, scheduler queues and prefix-cache counters as plain values (the one place they are built)."""
@@ -144,6 +153,9 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the workers (and the runners' KV-pool prefault threads) and the grammar compiler. Idempotent."""
+        """Stop the workers (and the runners' KV-pool prefault threads), the connector's scheduler side and the
+        grammar compiler. Idempotent."""
         self.structured_output.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
         self.executor.shutdown()

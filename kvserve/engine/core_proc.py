@@ -7,7 +7,6 @@ sockets go away; it never outlives the server.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -27,20 +26,11 @@ from kvserve.engine.messages import (
     to_core_decoder,
 )
 from kvserve.executor.base import WorkerFailedError
+from kvserve.process_utils import die_with_parent
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500  # how often an idle core checks that its parent is still alive
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the parent process dies (no orphans even if the parent is SIGKILLed)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def run_engine_core(
@@ -50,7 +40,7 @@ def run_engine_core(
     that of the one-line platform summary, which the CLI shows even when the rest is quiet."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
     logging.getLogger("kvserve.startup").setLevel(startup_log_level)
-    _die_with_parent()
+    die_with_parent()
     parent = os.getppid()
     # SIGTERM (from the frontend or the death signal) ends the loop through SystemExit; SIGINT is the frontend's.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

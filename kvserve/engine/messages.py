@@ -11,7 +11,7 @@ from dataclasses import asdict
 import msgspec
 
 from kvserve.core.block_pool import PrefixCacheStats
-from kvserve.core.spec_decode import SpecDecodingStats
+from kvserve.core.spec_policy import SpecDecodingStats
 from kvserve.outputs import EngineCoreOutput
 from kvserve.request import EngineCoreRequest
 

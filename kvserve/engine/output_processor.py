@@ -50,6 +50,8 @@ class ParentState:
     metrics: RequestMetrics
     sequences: list[SequenceState]
     num_cached_tokens: int = 0
+    # The KV connector's parameters for the client (from a finishing sequence; with n > 1, the first one's).
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -142,6 +144,8 @@ class OutputProcessor:
                 seq.last_token_time = now
                 metrics.last_token_time = now
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.kv_transfer_params is not None and parent.kv_transfer_params is None:
+                parent.kv_transfer_params = out.kv_transfer_params
             seq.token_ids.extend(out.new_token_ids)
             if seq.logprobs is not None and out.new_logprobs:
                 self._append_logprobs(seq, out.new_logprobs)
@@ -201,6 +205,7 @@ class OutputProcessor:
             finished=finished,
             metrics=parent.metrics,
             num_cached_tokens=parent.num_cached_tokens,
+            kv_transfer_params=parent.kv_transfer_params if finished else None,
         )
 
     @staticmethod

@@ -96,6 +96,7 @@ class Processor:
             eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time or time.time(),
             max_tokens=max_tokens,
+            kv_transfer_params=params.kv_transfer_params,
         )
 
     def _too_long(self, num_prompt: int, max_tokens: int | None, limit: int) -> str:

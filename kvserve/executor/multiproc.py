@@ -26,8 +26,8 @@ from kvserve.executor import wire
 from kvserve.executor.base import Executor
 from kvserve.executor.worker_proc import run_worker
 from kvserve.outputs import ModelRunnerOutput
+from kvserve.process_utils import free_port
 from kvserve.threads import child_env, plan_threads, rank_thread_plan
-from kvserve.worker.worker import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +106,12 @@ class MultiprocExecutor(Executor):
         replies = self._wait(set(range(self.world_size)), timeout, what=method)
         return [pickle.loads(replies[r]) for r in range(self.world_size)]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self._send(wire.STEP, wire.encoder.encode(scheduler_output))
-        replies = self._wait({0}, None, what="execute_model")
-        return wire.output_decoder.decode(replies[0])
+        # Every rank answers when each reports its KV connector's work; else the driver alone.
+        ranks = set(range(self.world_size)) if self.kv_output_aggregator is not None else {0}
+        replies = self._wait(ranks, None, what="execute_model")
+        return self._combine([wire.output_decoder.decode(replies[r]) for r in sorted(ranks)])
 
     def check_health(self) -> None:
         # The sentinels tell of a death without a round trip; a hung worker is caught by the step timeout.

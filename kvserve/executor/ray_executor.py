@@ -39,7 +39,7 @@ class RayWorkerWrapper:
     def rendezvous_address(self) -> str:
         import ray
 
-        from kvserve.worker.worker import free_port
+        from kvserve.process_utils import free_port
 
         ip = ray.util.get_node_ip_address()
         return f"tcp://{ip}:{free_port(ip)}"
@@ -90,12 +90,12 @@ class RayExecutor(Executor):
         refs = [a.execute_method.remote(method, *args) for a in self.actors]
         return self._get(refs, timeout, method)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if self.failure is not None:
             raise self._fail(self.failure)
         so_ref = self._ray.put(scheduler_output)  # serialized once, read by every actor
         refs = [a.execute_method.remote("execute_model", so_ref) for a in self.actors]
-        return self._get(refs, None, "execute_model")[0]
+        return self._combine(self._get(refs, None, "execute_model"))
 
     def _get(self, refs: list, timeout: float | None, what: str) -> list[Any]:
         """Results in rank order; the first failure (in completion order, so a dead rank is reported even while

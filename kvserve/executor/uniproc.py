@@ -25,11 +25,8 @@ class UniprocExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
-
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.worker.execute_model_async(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self._combine([self.worker.execute_model(scheduler_output)])
 
     def check_health(self) -> None:
         pass  # it is this process

@@ -21,4 +21,5 @@ ERR = b"err"
 
 encoder = msgspec.msgpack.Encoder()
 step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
-output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+# None: async scheduling's first step has no output yet.
+output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput | None)

@@ -17,8 +17,8 @@ import traceback
 import zmq
 
 from kvserve.config import EngineConfig
-from kvserve.engine.core_proc import _die_with_parent
 from kvserve.executor import wire
+from kvserve.process_utils import die_with_parent
 from kvserve.threads import ThreadPlan
 
 
@@ -26,7 +26,7 @@ def run_worker(
     config: EngineConfig, rank: int, thread_plan: ThreadPlan, in_addr: str, out_addr: str, log_level: int
 ) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s worker-{rank} %(name)s: %(message)s")
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # All ranks are on this machine: gloo's connections stay on loopback (unless the user chose an interface).
@@ -53,7 +53,8 @@ def run_worker(
             try:
                 if kind == wire.STEP:
                     out = worker.execute_model(wire.step_decoder.decode(payload))
-                    if out is not None:
+                    # The driver always answers; another rank only with its KV connector's report.
+                    if rank == 0 or out is not None:
                         outputs.send_multipart([me, wire.OK, wire.encoder.encode(out)])
                 else:
                     method, args = pickle.loads(payload)

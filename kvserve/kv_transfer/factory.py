@@ -6,7 +6,8 @@ from __future__ import annotations
 import importlib
 
 from kvserve.config import KVTransferConfig
-from kvserve.kv_transfer.base import KVConnectorInfo, KVConnectorScheduler, KVConnectorWorker
+from kvserve.kv_cache_spec import KVCacheSpec
+from kvserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 
 # name -> ("module:SchedulerClass", "module:WorkerClass")
 _REGISTRY: dict[str, tuple[str, str]] = {
@@ -14,8 +15,12 @@ _REGISTRY: dict[str, tuple[str, str]] = {
         "kvserve.kv_transfer.offload.scheduler:OffloadConnectorScheduler",
         "kvserve.kv_transfer.offload.worker:OffloadConnectorWorker",
     ),
+    "multi": (
+        "kvserve.kv_transfer.multi:MultiConnectorScheduler",
+        "kvserve.kv_transfer.multi:MultiConnectorWorker",
+    ),
 }
-_ALIASES = {"OffloadConnector": "offload", "OffloadingConnector": "offload"}
+_ALIASES = {"OffloadConnector": "offload", "OffloadingConnector": "offload", "MultiConnector": "multi"}
 
 
 def register_connector(name: str, scheduler_cls: str, worker_cls: str) -> None:
@@ -39,13 +44,18 @@ def _resolve(config: KVTransferConfig, side: int) -> type:
 
 
 def validate(config: KVTransferConfig) -> None:
-    """Fail at start-up on an unknown name (the classes check their own options when built)."""
+    """Fail at start-up on an unknown name, a chain's included (the classes check their own options when built)."""
     _resolve(config, 0)
+    if _ALIASES.get(config.kv_connector, config.kv_connector) == "multi":
+        from kvserve.kv_transfer.multi import sub_configs
+
+        for sub in sub_configs(config):
+            validate(sub)
 
 
-def create_scheduler_connector(config: KVTransferConfig, info: KVConnectorInfo) -> KVConnectorScheduler:
-    return _resolve(config, 0)(config, info)
+def create_scheduler_connector(config: KVTransferConfig, spec: KVCacheSpec) -> KVConnectorScheduler:
+    return _resolve(config, 0)(config, spec)
 
 
-def create_worker_connector(config: KVTransferConfig, info: KVConnectorInfo) -> KVConnectorWorker:
-    return _resolve(config, 1)(config, info)
+def create_worker_connector(config: KVTransferConfig, spec: KVCacheSpec, rank: int = 0) -> KVConnectorWorker:
+    return _resolve(config, 1)(config, spec, rank)

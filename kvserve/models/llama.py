@@ -223,13 +223,20 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[KVCache],
         attn_metadata: Any,
+        layer_hooks: Any = None,
     ) -> torch.Tensor:
         """Returns the last layer's hidden states before the final norm, and the residual stream summed in:
-        [T, hidden]. `compute_logits` applies the final norm only to the rows that are sampled."""
+        [T, hidden]. `compute_logits` applies the final norm only to the rows that are sampled. `layer_hooks`
+        (the runner's KV I/O, worker/kv_io.py): `before_layer(i)` runs before layer i reads its KV cache and
+        `after_layer(i)` once it has written it, so a KV connector's loads and saves overlap the other layers."""
         x = self.model.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            if layer_hooks is not None:
+                layer_hooks.before_layer(i)
             x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+            if layer_hooks is not None:
+                layer_hooks.after_layer(i)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,6 @@ from kvserve.attention.base import AttentionBackend
 from kvserve.config import SpeculativeConfig
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.spec_decode.base import Proposer
-from kvserve.spec_decode.model_proposer import ModelProposer
 from kvserve.spec_decode.ngram import NgramProposer
 
 
@@ -21,7 +20,7 @@ def build_proposer(
     max_model_len: int,
     generator: torch.Generator,
     device: torch.device,
-) -> Proposer | ModelProposer:
+) -> Proposer:
     """`block_size`: the target's KV pool's; a model proposer's own pool mirrors that pool's blocks, and is
     allocated when it is sized (ModelProposer.allocate_kv_cache)."""
     k = config.num_speculative_tokens

@@ -12,7 +12,8 @@ import torch
 from kvserve.attention.selector import get_attn_backend
 from kvserve.config import ModelConfig
 from kvserve.loader.model_loader import load_model
-from kvserve.spec_decode.model_proposer import DraftStepInputs, ModelProposer
+from kvserve.spec_decode.base import DraftStepInputs
+from kvserve.spec_decode.model_proposer import ModelProposer
 
 
 class DraftModelProposer(ModelProposer):

@@ -32,7 +32,8 @@ from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.loader.default_model import cache_dir
 from kvserve.loader.safetensors_weights import iterate_safetensors
 from kvserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, load_fused_weights
-from kvserve.spec_decode.model_proposer import DraftStepInputs, ModelProposer
+from kvserve.spec_decode.base import DraftStepInputs
+from kvserve.spec_decode.model_proposer import ModelProposer
 
 _IGNORED = ("layers.0.input_layernorm.weight", "embed_tokens.weight", "lm_head.weight")
 

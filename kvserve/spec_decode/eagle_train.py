@@ -109,7 +109,7 @@ def target_features(llm, sequences: list[list[int]]) -> list[torch.Tensor]:
     prefill of each sequence (prefix caching must be off, so that every position is computed)."""
     from kvserve.sampling_params import SamplingParams
 
-    model = llm.engine.engine_core.runner.model
+    model = llm.engine.engine_core.executor.driver_runner.model
     captured: list[torch.Tensor] = []
     handle = model.register_forward_hook(lambda _m, _args, out: captured.append(out.clone()))
     out = []

@@ -28,8 +28,7 @@ noise key is independent of the target's keys for the same position: a seeded re
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from abc import abstractmethod
 
 import numpy as np
 import torch
@@ -37,6 +36,7 @@ import xxhash
 
 from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
 from kvserve.sample.sampler import Sampler, SamplingMetadata
+from kvserve.spec_decode.base import DraftProposal, DraftStepInputs, Proposer
 from kvserve.worker.input_batch import InputBatch, RequestState
 from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from kvserve.worker.sampling_inputs import build_sampling_metadata
@@ -44,33 +44,10 @@ from kvserve.worker.sampling_inputs import build_sampling_metadata
 _KEY_RANGE = 1 << 62
 
 
-@dataclass
-class DraftStepInputs:
-    """The target's step as the proposer sees it, after verification (batch rows hold the emitted tokens and the
-    rolled-back computed counts)."""
-
-    batch: InputBatch
-    states: list[RequestState]  # [R] in step order
-    rows: np.ndarray  # [R] InputBatch rows
-    input_ids: np.ndarray  # [T] the target's input tokens
-    positions: np.ndarray  # [T]
-    query_start_loc: np.ndarray  # [R + 1]
-    attn_inputs: AttentionInputs  # the target's step layout (same pool shape, so valid for the draft pool)
-    attn_metadata: object  # the target backend's metadata for attn_inputs
-    hidden: torch.Tensor  # [T, hidden] the target's last hidden states (pre final norm)
-    sample_idx: np.ndarray  # [S] indices into the step's requests that emitted tokens this step
-    max_drafts: np.ndarray  # [S] most drafts to propose for each (0..K: the scheduler's adaptive limit)
-
-
-@dataclass
-class DraftProposal:
-    drafts: list[list[int]]  # [S] per sampling request, at most K tokens
-    # [S] per sampling request its q [k_i, V] fp32, or None where the request is greedy (one-hot q).
-    probs: list[torch.Tensor | None]
-
-
-class ModelProposer(ABC):
+class ModelProposer(Proposer):
     """A proposer that runs a model with its own paged KV cache (see the module docstring)."""
+
+    runs_model = True
 
     def __init__(
         self,
@@ -96,7 +73,7 @@ class ModelProposer(ABC):
         self.num_layers = num_layers
         self.dtype = dtype
         self.sampler = Sampler(device)
-        self.kv_caches: list[KVCache] = []  # allocate_kv_cache, once the target's pool is sized
+        self._kv_caches: list[KVCache] = []  # allocate_kv_cache, once the target's pool is sized
         # q of each request's pending drafts, until the step that verifies them (or the request leaves).
         self._pending: dict[str, tuple[list[int], torch.Tensor]] = {}
 
@@ -109,9 +86,13 @@ class ModelProposer(ABC):
         shape = self.backend.kv_cache_shape(1, self.block_size)
         return f"{self.source}|{self.backend.describe(self.block_size)}|{shape}|{self.dtype}|layers={self.num_layers}"
 
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        return self._kv_caches
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         # NOTE: the same block count as the target's pool, in the draft's own shape (module docstring).
-        self.kv_caches = allocate_kv_cache(
+        self._kv_caches = allocate_kv_cache(
             self.backend, num_blocks, self.block_size, self.num_layers, self.dtype, self.device
         )
 

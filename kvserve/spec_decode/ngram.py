@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvserve.spec_decode.base import Proposer
+from kvserve.spec_decode.base import DraftProposal, DraftStepInputs, Proposer
 
 
 class NgramProposer(Proposer):
@@ -22,7 +22,14 @@ class NgramProposer(Proposer):
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray) -> list[list[int]]:
+    def propose(self, step: DraftStepInputs) -> DraftProposal:
+        rows = step.rows[step.sample_idx]
+        drafts = self.propose_rows(step.batch.token_ids, step.batch.num_tokens, rows)
+        return DraftProposal(drafts, [None] * len(drafts))
+
+    def propose_rows(self, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray) -> list[list[int]]:
+        """`token_ids` [max_reqs, max_len] holds every request's known tokens (prompt + output) in its row, the
+        first `num_tokens[row]` valid. Returns, per entry of `rows`, at most k draft tokens (possibly none)."""
         if len(rows) == 0:
             return []
         lens = num_tokens[rows]  # [R]

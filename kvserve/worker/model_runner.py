@@ -6,18 +6,20 @@ Devices: the CPU (numpy inputs used in place, no copies) or a GPU ("cuda"): inpu
 and copied over once per step; the KV pool is sized by profiling (worker/gpu_memory.py) and decode-only steps
 replay captured CUDA graphs (worker/cuda_graph.py) unless enforce_eager. Sampling runs where the logits are.
 
+One execute path. A step is launched (inputs, forward pass, logits, and its sampling queued on the device) and
+then finished (its tokens read on the host, written into the batch rows, drafts proposed, the KV connector's
+report taken). Synchronous scheduling finishes each step before returning it. Async scheduling
+(`scheduler_config.async_scheduling`) is the one difference: `execute_model(N+1)` launches N+1 with the tokens N
+is still sampling taken from the device (InputBatch.pending), finishes N only after N+1's forward pass is queued,
+and returns N's output; N+1's sampling inputs (penalties, seeds) are built after N's tokens are in the rows. On a
+GPU the host thus prepares and launches N+1 while N runs; on the CPU every call is synchronous and only the order
+changes.
+
 Speculative decoding: a request scheduled with k draft tokens has them written after its known tokens in its
 InputBatch row, so they are fed like any other token; the last k + 1 positions are scored and the rejection
-sampler keeps the accepted drafts plus one token. The proposer then drafts the next step's tokens for every
-request that produced tokens; a model proposer (draft model, EAGLE: kvserve.spec_decode.model_proposer) also sees
-the step's layout and the target's last hidden states, and hands its draft distributions q to the next
-verification.
-
-Async scheduling (execute_model_async): the engine core hands over step N+1 before it has read step N's tokens.
-The runner launches N+1 with the tokens N is still sampling taken from the device (InputBatch.pending), then
-reads N's tokens on the host, and only then builds N+1's sampling inputs (penalties and seeds see them). On a GPU
-the host thus prepares and launches N+1 while N runs; on the CPU every call is synchronous and only the order
-changes.
+sampler keeps the accepted drafts plus one token. The proposer (spec_decode/base.py) then drafts the next step's
+tokens for every request that produced tokens; a model proposer also sees the step's layout and the target's
+last hidden states, and hands its draft distributions q to the next verification.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ import torch
 
 from kvserve.attention.base import AttentionInputs, KVCache
 from kvserve.attention.selector import get_attn_backend
+from kvserve.attention.spec import AttentionSpec
 from kvserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.sched_output import SchedulerOutput
-from kvserve.core.spec_decode import SpecDecodePolicy
+from kvserve.core.spec_policy import SpecDecodePolicy
 from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.distributed.sharding import head_slice
-from kvserve.kv_transfer.base import KVConnectorInfo
+from kvserve.kv_cache_spec import KVCacheSpec
 from kvserve.layers.quant.apply import model_weight_bytes
 from kvserve.loader.model_loader import load_model
 from kvserve.outputs import ModelRunnerOutput
@@ -47,9 +50,8 @@ from kvserve.profiling import StepTimer
 from kvserve.sample.bitmask import apply_grammar_bitmask
 from kvserve.sample.rejection_sampler import DraftInputs, RejectionSampler
 from kvserve.sample.sampler import Sampler, SamplerOutput
-from kvserve.spec_decode.base import Proposer
+from kvserve.spec_decode.base import DraftStepInputs, Proposer
 from kvserve.spec_decode.build import build_proposer
-from kvserve.spec_decode.model_proposer import DraftStepInputs, ModelProposer
 from kvserve.utils import cdiv
 from kvserve.worker.cuda_graph import DecodeGraphRunner, capture_sizes
 from kvserve.worker.gpu_memory import (
@@ -61,7 +63,7 @@ from kvserve.worker.gpu_memory import (
 )
 from kvserve.worker.input_batch import InputBatch, RequestState
 from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for, prefault_kv_cache
-from kvserve.worker.kv_transfer import KVTransfer
+from kvserve.worker.kv_io import KVIO
 from kvserve.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -85,17 +87,22 @@ class _StepInputs:
 
 
 @dataclass
-class _InFlight:
-    """A launched step (async scheduling) whose sampled tokens the host has not read yet."""
+class _Launched:
+    """A step whose forward pass and sampling are queued; `_finish` reads its tokens and builds its output."""
 
-    req_ids: list[str]  # the step's requests, in batch order
-    sample_idx: np.ndarray  # indices into req_ids of those that sample
-    states: list[RequestState]  # theirs, in order
-    positions: np.ndarray  # where each sampled token goes in its request's row
-    sampled: torch.Tensor | None  # [S] on the device (None: no request samples)
-    host: torch.Tensor | None  # [S] on the host, valid once `ready` has passed
+    so: SchedulerOutput
+    step: _StepInputs
+    hidden: torch.Tensor  # [T, hidden] (a model proposer reads it)
+    states: list[RequestState]  # of the requests that sample, in order
+    num_logits: np.ndarray  # [S] scored positions per sampling request: its drafts + 1
+    # Where each request's first new token goes in its row; None: a verification step, whose rows are updated in
+    # _finish (its number of tokens is known only then).
+    positions: np.ndarray | None
+    tokens: torch.Tensor | None  # [S] or [S, K + 1] on the device (None: no request samples)
+    num_out: torch.Tensor | None  # [S] tokens each request emits (verification steps only)
+    host: torch.Tensor | None  # `tokens` on the host once `ready` has passed
     ready: torch.cuda.Event | None
-    out: SamplerOutput | None
+    out: SamplerOutput | None  # for the logprobs
 
 
 class ModelRunner:
@@ -107,68 +114,35 @@ class ModelRunner:
         timer: StepTimer | None = None,
         spec_config: SpeculativeConfig | None = None,
         kv_transfer_config: KVTransferConfig | None = None,
-        allocate_kv_cache: bool = True,
     ) -> None:
-        """`allocate_kv_cache=False`: the owner sizes the pool (determine_num_kv_blocks, e.g. the minimum over
-        tensor-parallel ranks) and calls initialize_kv_cache itself."""
+        """Loads the model (and a proposer). The owner then sizes the pool (`determine_num_kv_blocks`, e.g. the
+        minimum over tensor-parallel ranks) and calls `initialize_kv_cache`."""
         self.timer = timer or StepTimer()
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
+        self.async_scheduling = scheduler_config.async_scheduling
         self.block_size = cache_config.block_size
         self.dtype = getattr(torch, model_config.dtype)
-        self.device = torch.device(model_config.device)
+        self.device, self._memory_baseline = _claim_device(model_config.device)
         self.on_gpu = self.device.type == "cuda"
-        self._memory_baseline: MemorySnapshot | None = None
-        if self.on_gpu:
-            if self.device.index is None:  # "cuda": the current GPU, named by index (set_device needs one)
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)
-            self._memory_baseline = MemorySnapshot.take(self.device)
-        arch = model_config.arch
-        tp = get_tp_group()
-        self.tp_size = tp.world_size
-        # This rank's heads: the attention backend and the KV cache see only them.
-        heads = head_slice(arch.num_attention_heads, arch.num_key_value_heads, tp.world_size, tp.rank)
-        self.attn_backend = get_attn_backend(
-            heads.num_heads, heads.num_kv_heads, arch.head_dim, self.dtype, self.device, model_config.attention_backend
-        )
-        start = time.perf_counter()
-        self.model = load_model(model_config, self.attn_backend)
-        logger.info("loaded %s in %.1fs", model_config.model, time.perf_counter() - start)
-        self.weight_bytes = model_weight_bytes(self.model)
-        weights = f"{model_config.quantization or model_config.dtype} weights {self.weight_bytes / 2**20:.0f} MiB"
-        # Its own logger, which the CLI shows even without -v: what the platform chose is worth one line always.
-        logging.getLogger("kvserve.startup").info(
-            startup_summary(
-                f"{model_config.dtype} ({weights})",
-                torch.get_num_threads(),
-                self.attn_backend.describe(self.block_size),
-                model_config.device,
-            )
-        )
-        self.vocab_size = arch.vocab_size
+        self.tp = get_tp_group()
+        self._load_model()
+        self.vocab_size = model_config.arch.vocab_size
         self.sampler = Sampler(self.device)
         self.rejection_sampler = RejectionSampler(self.sampler)
         # NOTE: on the CPU whatever the device: it draws only the [B] noise keys of unseeded rows, so a seed gives
         # the same draws on any device.
         self.generator = torch.Generator().manual_seed(model_config.seed)
-        self.graphs: DecodeGraphRunner | None = None  # with the KV cache, on a GPU
-        self._in_flight: _InFlight | None = None  # async scheduling: the last launched step
         self.batch = InputBatch(
             scheduler_config.max_num_seqs,
             model_config.max_model_len,
             cdiv(model_config.max_model_len, self.block_size),
         )
-        num_layers = arch.num_hidden_layers
-        block_bytes = bytes_per_block(self.attn_backend, self.block_size, num_layers, self.dtype)
-        self._kv_transfer_config = kv_transfer_config
-        self.kv_transfer: KVTransfer | None = None  # with the KV cache (initialize_kv_cache)
-        self.num_blocks = 0
-        self.kv_caches: list[KVCache] = []
         # Built before the pool is sized: a draft model's weights then count in a GPU memory profile, and its own
         # KV pool (the target's block count, allocated with the target's) in the bytes each block costs.
-        self.proposer: Proposer | ModelProposer | None = None
+        self.proposer: Proposer | None = None
+        self.spec_policy: SpecDecodePolicy | None = None
         if spec_config is not None:
             self.proposer = build_proposer(
                 spec_config,
@@ -180,24 +154,58 @@ class ModelRunner:
                 self.generator,
                 self.device,
             )
-        self.spec_policy = SpecDecodePolicy(spec_config) if spec_config is not None else None
-        # A block that leaves the pool (swap, a KV connector) takes the draft's block of the same id with it.
-        swap = scheduler_config.preemption_mode == "swap"
-        all_block_bytes = block_bytes + self._proposer_block_bytes()
-        self.num_swap_blocks = cache_config.swap_space // all_block_bytes if swap else 0
-        # Everything that decides what a block's bytes mean: KV saved under another one must never be loaded.
-        layout_id = (
-            f"{model_config.path}|{model_config.dtype}|{model_config.quantization}|"
-            f"{self.attn_backend.describe(self.block_size)}|{self.attn_backend.kv_cache_shape(1, self.block_size)}"
-            f"|layers={num_layers}"
-        )
-        if isinstance(self.proposer, ModelProposer):
-            layout_id += f"|draft={self.proposer.layout_id()}"
-        self.kv_connector_info = KVConnectorInfo(self.block_size, num_layers, all_block_bytes, layout_id)
+            self.spec_policy = SpecDecodePolicy(spec_config)
+        self._kv_transfer_config = kv_transfer_config
+        self.kv_io: KVIO | None = None  # with the KV cache (initialize_kv_cache)
+        self.num_blocks = 0
+        self.kv_caches: list[KVCache] = []
+        self.graphs: DecodeGraphRunner | None = None  # with the KV cache, on a GPU
+        self._in_flight: _Launched | None = None  # async scheduling: the last launched step
         self._prefault_stop = threading.Event()
         self._prefault_thread: threading.Thread | None = None
-        if allocate_kv_cache:
-            self.initialize_kv_cache(self.determine_num_kv_blocks())
+
+    def _load_model(self) -> None:
+        """This rank's attention backend (it sees only this rank's heads) and the model on it; one start-up line."""
+        config, arch = self.model_config, self.model_config.arch
+        heads = head_slice(arch.num_attention_heads, arch.num_key_value_heads, self.tp.world_size, self.tp.rank)
+        self.attn_backend = get_attn_backend(
+            heads.num_heads, heads.num_kv_heads, arch.head_dim, self.dtype, self.device, config.attention_backend
+        )
+        start = time.perf_counter()
+        self.model = load_model(config, self.attn_backend)
+        logger.info("loaded %s in %.1fs", config.model, time.perf_counter() - start)
+        self.weight_bytes = model_weight_bytes(self.model)
+        weights = f"{config.quantization or config.dtype} weights {self.weight_bytes / 2**20:.0f} MiB"
+        # Its own logger, which the CLI shows even without -v: what the platform chose is worth one line always.
+        logging.getLogger("kvserve.startup").info(
+            startup_summary(
+                f"{config.dtype} ({weights})",
+                torch.get_num_threads(),
+                self.attn_backend.describe(self.block_size),
+                config.device,
+            )
+        )
+
+    # ------------------------------------------------------------------ the KV cache
+
+    def _target_block_bytes(self) -> int:
+        return bytes_per_block(self.attn_backend, self.block_size, self.model_config.arch.num_hidden_layers, self.dtype)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """This rank's KV cache (kvserve/kv_cache_spec.py). The layout id names everything that decides what a
+        block's bytes mean, and nothing rank-specific: ranks of one engine agree on it."""
+        config, arch = self.model_config, self.model_config.arch
+        layout = (
+            f"{config.path}|{config.dtype}|{config.quantization}|{self.attn_backend.kv_layout(self.block_size)}"
+            f"|kv_heads={arch.num_key_value_heads}|head_dim={arch.head_dim}|block={self.block_size}"
+            f"|layers={arch.num_hidden_layers}|tp={self.tp.world_size}"
+        )
+        draft = self.proposer.layout_id() if self.proposer is not None else None
+        if draft is not None:
+            layout += f"|draft={draft}"
+        layers = tuple(AttentionSpec(config.dtype) for _ in range(arch.num_hidden_layers))
+        block_bytes = self._target_block_bytes() + self._proposer_block_bytes()
+        return KVCacheSpec(self.block_size, layers, (block_bytes,), layout)
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank's share of the KV budget holds (the budget is the engine's, split over the ranks). On a
@@ -207,12 +215,16 @@ class ModelRunner:
         if self.on_gpu and cache.num_kv_blocks is None and cache.kv_cache_memory is None:
             return self._profile_num_kv_blocks()
         return num_blocks_for(
-            cache, self.attn_backend, arch.num_hidden_layers, self.dtype, self.tp_size, self._proposer_block_bytes()
+            cache,
+            self.attn_backend,
+            arch.num_hidden_layers,
+            self.dtype,
+            self.tp.world_size,
+            self._proposer_block_bytes(),
         )
 
     def _proposer_block_bytes(self) -> int:
-        """What a model proposer's pool adds to each block (0 without one)."""
-        return self.proposer.bytes_per_block() if isinstance(self.proposer, ModelProposer) else 0
+        return self.proposer.bytes_per_block() if self.proposer is not None else 0
 
     def _profile_num_kv_blocks(self) -> int:
         assert self._memory_baseline is not None
@@ -221,10 +233,7 @@ class ModelRunner:
             lambda: self.dummy_run(sched.max_num_batched_tokens, sched.max_num_seqs), self.device, self._memory_baseline
         )
         util = self.cache_config.gpu_memory_utilization
-        per_block = (
-            bytes_per_block(self.attn_backend, self.block_size, self.model_config.arch.num_hidden_layers, self.dtype)
-            + self._proposer_block_bytes()
-        )
+        per_block = self._target_block_bytes() + self._proposer_block_bytes()
         num_blocks = num_blocks_from_profile(profile, util, per_block)
         logger.info("GPU memory: %s", profile.describe(util))
         logger.info(
@@ -256,7 +265,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[self._to_device(qsl[1:] - 1)])
         self.sampler(logits, dummy_sampling_metadata(len(qsl) - 1, self.device, self.generator))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0, spec: KVCacheSpec | None = None) -> None:
+        """Allocate the pool (and a proposer's), the swap space and the KV connector's worker side. `spec`: the
+        engine's merged spec (every rank's block bytes), which the connector sizes its stores by; this rank's own
+        when None."""
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(
             self.attn_backend,
@@ -266,12 +278,16 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        mirror_pools = []
-        if isinstance(self.proposer, ModelProposer):
+        if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
-            mirror_pools.append(self.proposer.kv_caches)
-        self.kv_transfer = KVTransfer(
-            self.kv_caches, self.kv_connector_info, self.num_swap_blocks, self._kv_transfer_config, mirror_pools
+        mirror_pools = [self.proposer.kv_caches] if self.proposer is not None and self.proposer.kv_caches else []
+        self.kv_io = KVIO(
+            self.kv_caches,
+            spec or self.kv_cache_spec(),
+            self.tp.rank if spec is not None else 0,
+            num_swap_blocks,
+            self._kv_transfer_config,
+            mirror_pools,
         )
         if self.cache_config.kv_prefault != "off":
             self.prefault_kv_cache(background=self.cache_config.kv_prefault == "background")
@@ -282,6 +298,10 @@ class ModelRunner:
         ):
             self.graphs = self.build_decode_graphs(capture=True)
             self.graphs.capture()
+
+    def handshake_metadata(self) -> dict | None:
+        """What this rank's KV connector publishes for the scheduler side (None: nothing)."""
+        return self.kv_io.handshake_metadata() if self.kv_io is not None else None
 
     def build_decode_graphs(self, capture: bool) -> DecodeGraphRunner:
         """The decode-graph runner over this runner's model and KV cache (`capture=False`: the same padded,
@@ -300,9 +320,9 @@ class ModelRunner:
     def prefault_kv_cache(self, background: bool = False) -> None:
         """Fault the whole KV pool in now (benchmarks, before timing) or from a daemon thread (the server, which
         is idle at start-up). Safe while steps run: the pages' contents are not changed."""
-        # The target's pool, then a model proposer's (its own mapping: prefault_kv_cache takes one at a time).
+        # The target's pool, then a proposer's (its own mapping: prefault_kv_cache takes one at a time).
         pools = [self.kv_caches]
-        if isinstance(self.proposer, ModelProposer):
+        if self.proposer is not None and self.proposer.kv_caches:
             pools.append(self.proposer.kv_caches)
 
         def prefault_all(stop: threading.Event | None = None) -> None:
@@ -321,8 +341,8 @@ class ModelRunner:
         """Stop the background KV prefault (it ends within one 64 MiB chunk) and wait for it. The owner calls this
         when it shuts down. Idempotent; steps may still run afterwards (untouched pages fault in on first use)."""
         self._prefault_stop.set()
-        if self.kv_transfer is not None:
-            self.kv_transfer.shutdown()
+        if self.kv_io is not None:
+            self.kv_io.shutdown()
         if self._prefault_thread is not None:
             self._prefault_thread.join()
             self._prefault_thread = None
@@ -330,149 +350,193 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        timer = self.timer
-        assert self.kv_transfer is not None, "initialize_kv_cache comes first"
-        with timer.phase("prepare_inputs"):
-            self._apply_scheduler_output(so)
-            num_scheduled = so.num_scheduled_tokens
-            failed_loads = self.kv_transfer.before_forward(so)
-            if failed_loads:
-                # Their KV is not all there: they sit this step out (the scheduler sends them again in full).
-                for req_id in failed_loads:
-                    self._forget(req_id)
-                num_scheduled = {r: n for r, n in num_scheduled.items() if r not in failed_loads}
-            if not num_scheduled:
-                return ModelRunnerOutput([], [], kv_connector_output=self.kv_transfer.after_forward(so))
-            step = self._prepare_inputs(so, num_scheduled)
-        with timer.phase("forward"):
-            hidden = self._forward(step)
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run `so`'s step and return its output; with async scheduling, launch it and return the output of the
+        step launched before it (None when there was none). An empty `so` computes nothing: it still moves KV
+        (swaps, connector loads and saves) and, async, returns the step in flight."""
+        assert self.kv_io is not None, "initialize_kv_cache comes first"
+        with self.timer.phase("prepare_inputs"):
+            step = self._begin(so)
+        if step is None:
+            if self.async_scheduling:
+                return self._finish(self._in_flight_take())
+            return ModelRunnerOutput([], [], kv_connector_output=self.kv_io.after_forward(so))
+        with self.timer.phase("forward"):
+            hidden = self._forward(step, self._in_flight_inputs(step))
+        self.batch.num_computed_tokens[step.rows] = step.seq_lens
+        with self.timer.phase("logits"):
+            logits, num_logits = self._logits(step, hidden)
+        # Async: the step in flight's tokens reach the rows before this step's sampling inputs are built from them.
+        previous = self._finish(self._in_flight_take())
+        with self.timer.phase("sample"):
+            launched = self._launch_sample(so, step, hidden, logits, num_logits)
+        if self.async_scheduling:
+            self._in_flight = launched
+            return previous
+        return self._finish(launched)
+
+    def _begin(self, so: SchedulerOutput) -> _StepInputs | None:
+        """Apply `so` to the batch and move its KV (swaps, connector loads); the step's inputs, or None when it
+        computes nothing."""
+        assert self.kv_io is not None
+        self._apply_scheduler_output(so)
+        num_scheduled = so.num_scheduled_tokens
+        failed_loads = self.kv_io.before_forward(so)
+        if failed_loads:
+            # Their KV is not all there: they sit this step out (the scheduler sends them again in full).
+            for req_id in failed_loads:
+                self._forget(req_id)
+            num_scheduled = {r: n for r, n in num_scheduled.items() if r not in failed_loads}
+        if not num_scheduled:
+            return None
+        return self._prepare_inputs(so, num_scheduled)
+
+    def _forward(self, step: _StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The step's hidden states; `fill` = (token indices, ids on the device) overrides input ids. A KV
+        connector's per-layer calls run inside the layer loop when the step is eager, around a graph replay."""
+        assert self.kv_io is not None
+        if step.graph_size is not None:
+            assert self.graphs is not None
+            self.kv_io.wait_all_layers()
+            hidden = self.graphs.run(step.input_ids, step.positions, step.attn_inputs, step.graph_size, fill)
+            self.kv_io.save_all_layers()
+            return hidden
+        ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
+        if fill is not None:
+            ids[fill[0]] = fill[1]
+        return self.model(ids, positions, self.kv_caches, step.attn_metadata, self.kv_io.layer_hooks())
+
+    def _logits(self, step: _StepInputs, hidden: torch.Tensor) -> tuple[torch.Tensor | None, np.ndarray]:
+        """Logits of the positions that are scored: the last k + 1 query tokens of each sampling request (its
+        drafts' positions and the bonus); [sum(num_logits), V] with num_logits [S]."""
+        num_logits = step.num_drafts[step.sample_idx] + 1
+        if not len(step.sample_idx):
+            return None, num_logits
+        ends = step.query_start_loc[1:][step.sample_idx]
+        logits_idx = np.repeat(ends - num_logits, num_logits) + _ragged_arange(num_logits)
+        return self.model.compute_logits(hidden[self._to_device(logits_idx)]), num_logits
+
+    def _launch_sample(
+        self,
+        so: SchedulerOutput,
+        step: _StepInputs,
+        hidden: torch.Tensor,
+        logits: torch.Tensor | None,
+        num_logits: np.ndarray,
+    ) -> _Launched:
+        """Queue the step's sampling (or draft verification) and the copy of its tokens to the host. A plain
+        sampling step's tokens count in their rows at once (num_tokens; their values arrive in _finish), so that
+        the next step can be prepared before they are read."""
         batch = self.batch
-        batch.num_computed_tokens[step.rows] = step.seq_lens
+        states = [step.states[i] for i in step.sample_idx]
+        rows = step.rows[step.sample_idx]
+        if logits is None:
+            return _Launched(so, step, hidden, states, num_logits, None, None, None, None, None, None)
+        if so.grammar_bitmask is not None:
+            self._apply_grammar(so, step, num_logits, logits)
+        if int(num_logits.max()) == 1:
+            metadata = build_sampling_metadata(states, batch, self.vocab_size, self.generator, device=self.device)
+            out = self.sampler(logits, metadata)
+            tokens, num_out = out.sampled_token_ids, None
+            positions = batch.num_tokens[rows].copy()
+            batch.num_tokens[rows] += 1
+            batch.pending[rows] = np.arange(len(rows))
+        else:
+            # One sampling row per scored position; position j of a request sees its drafts before j as output.
+            offsets = _ragged_arange(num_logits)
+            row_states = [states[i] for i in np.repeat(np.arange(len(states)), num_logits)]
+            metadata = build_sampling_metadata(
+                row_states, batch, self.vocab_size, self.generator, offsets, device=self.device
+            )
+            num_drafts = num_logits - 1
+            draft_ids = _draft_matrix(batch, rows, num_drafts)
+            draft_probs = None
+            if self.proposer is not None:
+                draft_probs = self.proposer.draft_probs([s.req_id for s in states], draft_ids, num_drafts)
+            result = self.rejection_sampler(
+                logits, metadata, DraftInputs(self._to_device(draft_ids), self._to_device(num_drafts), draft_probs)
+            )
+            out, tokens, num_out, positions = result.row_output, result.output_token_ids, result.num_output_tokens, None
+        host, ready = tokens, None
+        if self.on_gpu:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Launched(so, step, hidden, states, num_logits, positions, tokens, num_out, host, ready, out)
+
+    def _in_flight_take(self) -> _Launched | None:
+        launched, self._in_flight = self._in_flight, None
+        return launched
+
+    def _finish(self, launched: _Launched | None) -> ModelRunnerOutput | None:
+        """Wait for a launched step's tokens, write them into the rows still held by the same requests, let the
+        proposer draft, take the KV connector's report, and return the step's output."""
+        if launched is None:
+            return None
+        assert self.kv_io is not None
+        step = launched.step
         sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
         logprobs_lists: list = [None] * len(step.req_ids)
-        if len(step.sample_idx):
-            with timer.phase("logits"):
-                num_logits = step.num_drafts[step.sample_idx] + 1
-                ends = step.query_start_loc[1:][step.sample_idx]
-                # The last k + 1 query tokens of each sampling request: its drafts' positions and the bonus.
-                logits_idx = np.repeat(ends - num_logits, num_logits) + _ragged_arange(num_logits)
-                logits = self.model.compute_logits(hidden[self._to_device(logits_idx)])
-            with timer.phase("sample"):
-                if so.grammar_bitmask is not None:
-                    self._apply_grammar(so, step, num_logits, logits)
-                self._sample(step, logits, num_logits, sampled_lists, logprobs_lists)
+        if launched.host is not None:
+            with self.timer.phase("sample"):
+                self._write_tokens(launched, sampled_lists, logprobs_lists)
         spec_token_ids = None
         if self.proposer is not None:
-            with timer.phase("propose"):
-                spec_token_ids = self._propose(step, hidden, so.spec_draft_limits)
+            with self.timer.phase("propose"):
+                spec_token_ids = self._propose(step, launched.hidden, launched.so.spec_draft_limits)
         # After the proposer: its mirror pass writes the draft's KV of this step's positions, which a connector
         # saves with the target's.
-        kv_connector_output = self.kv_transfer.after_forward(so)
+        kv_connector_output = self.kv_io.after_forward(launched.so)
         has_logprobs = any(x is not None for x in logprobs_lists)
         return ModelRunnerOutput(
             step.req_ids, sampled_lists, logprobs_lists if has_logprobs else None, spec_token_ids, kv_connector_output
         )
 
-    @torch.inference_mode()
-    def execute_model_async(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Launch `so`'s step; return the output of the step launched before it (None if there was none). An
-        empty `so` launches nothing and only returns that output. Without speculative decoding or a KV
-        connector (the engine's options refuse them together)."""
-        timer = self.timer
-        assert self.kv_transfer is not None, "initialize_kv_cache comes first"
-        assert self.proposer is None and self.kv_transfer.connector is None
-        assert so.grammar_bitmask is None, "structured outputs are refused with async scheduling"
-        with timer.phase("prepare_inputs"):
-            self._apply_scheduler_output(so)
-            self.kv_transfer.before_forward(so)  # swaps only: no connector, so no failed loads
-            if so.is_empty:
-                return self._finish_in_flight()
-            step = self._prepare_inputs(so, so.num_scheduled_tokens)
-            fill = self._in_flight_inputs(step)
-        with timer.phase("forward"):
-            hidden = self._forward(step, fill)
-        self.batch.num_computed_tokens[step.rows] = step.seq_lens
-        logits = None
-        if len(step.sample_idx):
-            with timer.phase("logits"):
-                last = step.query_start_loc[1:][step.sample_idx] - 1
-                logits = self.model.compute_logits(hidden[self._to_device(last)])
-        with timer.phase("sample"):
-            # Before this step's sampling inputs: the previous step's tokens count in its penalties and seeds.
-            previous = self._finish_in_flight()
-            self._in_flight = self._launch_sample(step, logits)
-        return previous
+    def _write_tokens(self, launched: _Launched, sampled_lists: list, logprobs_lists: list) -> None:
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        assert launched.host is not None
+        batch, step = self.batch, launched.step
+        sample_idx = step.sample_idx.tolist()
+        if launched.positions is not None:  # one token each, counted in its row at launch
+            tokens = launched.host.numpy().tolist()
+            for j, i in enumerate(sample_idx):
+                state = launched.states[j]
+                # Async: a request finished or preempted since has left its row (maybe to another request).
+                if batch.states.get(state.req_id) is state:
+                    batch.token_ids[state.row, launched.positions[j]] = tokens[j]
+                    batch.pending[state.row] = -1
+                sampled_lists[i] = [tokens[j]]
+            num_out = np.ones(len(sample_idx), dtype=np.int64)
+        else:  # a verification step (synchronous): the accepted drafts and one more token each
+            assert launched.num_out is not None
+            tokens_np = launched.host.cpu().numpy()
+            num_out = launched.num_out.cpu().numpy()
+            rows = step.rows[step.sample_idx]
+            # Only accepted positions' KV stays valid.
+            batch.num_computed_tokens[rows] -= (launched.num_logits - 1) - (num_out - 1)
+            starts = batch.num_tokens[rows]
+            for j, i in enumerate(sample_idx):
+                emitted = tokens_np[j, : int(num_out[j])]
+                batch.token_ids[rows[j], starts[j] : starts[j] + len(emitted)] = emitted
+                sampled_lists[i] = emitted.tolist()
+            batch.num_tokens[rows] += num_out
+        out = launched.out
+        if out is not None and out.logprobs is not None:
+            self._collect_logprobs(out, step.sample_idx, launched.states, launched.num_logits, num_out, logprobs_lists)
 
     def _in_flight_inputs(self, step: _StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(token indices, token ids on the device) for the step's inputs that the step in flight is sampling."""
         in_flight = self._in_flight
-        if in_flight is None or in_flight.sampled is None:
+        if in_flight is None or in_flight.tokens is None or in_flight.positions is None:
             return None
         batch = self.batch
         src = batch.pending[step.token_rows]
         dst = np.flatnonzero((src >= 0) & (step.positions == batch.num_tokens[step.token_rows] - 1))
         if not len(dst):
             return None
-        return self._to_device(dst), in_flight.sampled[self._to_device(src[dst])]
-
-    def _launch_sample(self, step: _StepInputs, logits: torch.Tensor | None) -> _InFlight:
-        """Queue the step's sampling and the copy of its tokens to the host; the tokens count in the rows now
-        (num_tokens), their values arrive in _finish_in_flight."""
-        batch = self.batch
-        states = [step.states[i] for i in step.sample_idx]
-        rows = step.rows[step.sample_idx]
-        positions = batch.num_tokens[rows].copy()
-        if logits is None:
-            return _InFlight(step.req_ids, step.sample_idx, states, positions, None, None, None, None)
-        metadata = build_sampling_metadata(states, batch, self.vocab_size, self.generator, device=self.device)
-        out = self.sampler(logits, metadata)
-        sampled, host, ready = out.sampled_token_ids, out.sampled_token_ids, None
-        if self.on_gpu:
-            host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            host.copy_(sampled, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        batch.num_tokens[rows] += 1
-        batch.pending[rows] = np.arange(len(rows))
-        return _InFlight(step.req_ids, step.sample_idx, states, positions, sampled, host, ready, out)
-
-    def _finish_in_flight(self) -> ModelRunnerOutput | None:
-        """Wait for the launched step's tokens, write them into the rows still held by the same requests, and
-        return its output."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is None:
-            return None
-        sampled_lists: list[list[int]] = [[] for _ in in_flight.req_ids]
-        logprobs_lists: list = [None] * len(in_flight.req_ids)
-        if in_flight.host is not None:
-            if in_flight.ready is not None:
-                in_flight.ready.synchronize()
-            tokens = in_flight.host.numpy().tolist()
-            batch = self.batch
-            for j, i in enumerate(in_flight.sample_idx.tolist()):
-                state = in_flight.states[j]
-                # A request finished or preempted since has left its row (maybe to another request).
-                if batch.states.get(state.req_id) is state:
-                    batch.token_ids[state.row, in_flight.positions[j]] = tokens[j]
-                    batch.pending[state.row] = -1
-                sampled_lists[i] = [tokens[j]]
-            out = in_flight.out
-            if out is not None and out.logprobs is not None:
-                ones = np.ones(len(in_flight.states), dtype=np.int64)
-                self._collect_logprobs(out, in_flight.sample_idx, in_flight.states, ones, ones, logprobs_lists)
-        has_logprobs = any(x is not None for x in logprobs_lists)
-        return ModelRunnerOutput(in_flight.req_ids, sampled_lists, logprobs_lists if has_logprobs else None)
-
-    def _forward(self, step: _StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The step's hidden states; `fill` = (token indices, ids on the device) overrides input ids."""
-        if step.graph_size is not None:
-            assert self.graphs is not None
-            return self.graphs.run(step.input_ids, step.positions, step.attn_inputs, step.graph_size, fill)
-        ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
-        if fill is not None:
-            ids[fill[0]] = fill[1]
-        return self.model(ids, positions, self.kv_caches, step.attn_metadata)
+        return self._to_device(dst), in_flight.tokens[self._to_device(src[dst])]
 
     def _apply_grammar(self, so: SchedulerOutput, step: _StepInputs, num_logits: np.ndarray, logits) -> None:
         """Mask each constrained request's logits rows: one per draft it verifies and the last, each by its own
@@ -491,88 +555,40 @@ class ModelRunner:
         assert so.grammar_bitmask is not None
         apply_grammar_bitmask(logits, rows, used, so.grammar_bitmask, so.grammar_bitmask_words)
 
-    def _sample(
-        self, step: _StepInputs, logits: torch.Tensor, num_logits: np.ndarray, sampled_lists: list, logprobs_lists: list
-    ) -> None:
-        """Sample (or verify drafts), append the tokens to the batch rows, fill the per-request result lists."""
-        batch = self.batch
-        sample_states = [step.states[i] for i in step.sample_idx]
-        sample_rows = step.rows[step.sample_idx]
-        if int(num_logits.max()) == 1:
-            metadata = build_sampling_metadata(
-                sample_states, batch, self.vocab_size, self.generator, device=self.device
-            )
-            out = self.sampler(logits, metadata)
-            tokens = out.sampled_token_ids.cpu().numpy()[:, None]  # [S, 1]
-            num_out = np.ones(len(sample_rows), dtype=np.int64)
-        else:
-            # One sampling row per scored position; position j of a request sees its drafts before j as output.
-            offsets = _ragged_arange(num_logits)
-            row_states = [sample_states[i] for i in np.repeat(np.arange(len(sample_states)), num_logits)]
-            metadata = build_sampling_metadata(
-                row_states, batch, self.vocab_size, self.generator, offsets, device=self.device
-            )
-            num_drafts = num_logits - 1
-            draft_ids = _draft_matrix(batch, sample_rows, num_drafts)
-            draft_probs = None
-            if isinstance(self.proposer, ModelProposer):
-                draft_probs = self.proposer.draft_probs([s.req_id for s in sample_states], draft_ids, num_drafts)
-            result = self.rejection_sampler(
-                logits, metadata, DraftInputs(self._to_device(draft_ids), self._to_device(num_drafts), draft_probs)
-            )
-            out = result.row_output
-            tokens = result.output_token_ids.cpu().numpy()
-            num_out = result.num_output_tokens.cpu().numpy()
-            # Only accepted positions' KV stays valid.
-            batch.num_computed_tokens[sample_rows] -= num_drafts - (num_out - 1)
-        starts = batch.num_tokens[sample_rows]
-        for j, i in enumerate(step.sample_idx.tolist()):
-            n = int(num_out[j])
-            emitted = tokens[j, :n]
-            batch.token_ids[sample_rows[j], starts[j] : starts[j] + n] = emitted
-            sampled_lists[i] = emitted.tolist()
-        batch.num_tokens[sample_rows] += num_out
-        if out.logprobs is not None:
-            self._collect_logprobs(out, step.sample_idx, sample_states, num_logits, num_out, logprobs_lists)
-
     def _propose(self, step: _StepInputs, hidden: torch.Tensor, limits: dict[str, int]) -> list[list[int]]:
-        assert self.proposer is not None
+        proposer = self.proposer
+        assert proposer is not None and self.spec_policy is not None
         drafts: list[list[int]] = [[] for _ in step.req_ids]
-        if isinstance(self.proposer, ModelProposer):
-            assert self.spec_policy is not None
-            # Runs even when no request samples: its KV must cover every position the target computed. The
-            # draft steps are skipped when the scheduler's rule will verify no drafts at this batch size.
-            drafting = self.spec_policy.draft_token_budget(len(step.sample_idx)) > 0
-            drafted_idx = step.sample_idx if drafting else step.sample_idx[:0]
-            k = self.proposer.k
-            max_drafts = np.array([limits.get(step.req_ids[i], k) for i in drafted_idx.tolist()], dtype=np.int64)
-            proposal = self.proposer.propose(
-                DraftStepInputs(
-                    self.batch,
-                    step.states,
-                    step.rows,
-                    step.input_ids,
-                    step.positions,
-                    step.query_start_loc,
-                    step.attn_inputs,
-                    step.attn_metadata,
-                    hidden,
-                    drafted_idx,
-                    max_drafts,
-                )
+        if not proposer.runs_model and not len(step.sample_idx):
+            return drafts
+        drafted_idx = step.sample_idx
+        # A model proposer runs even when no request samples (its KV must cover every position the target
+        # computed), but drafts only when the scheduler's rule will verify drafts at this batch size.
+        if proposer.runs_model and self.spec_policy.draft_token_budget(len(step.sample_idx)) <= 0:
+            drafted_idx = step.sample_idx[:0]
+        max_drafts = np.array([limits.get(step.req_ids[i], proposer.k) for i in drafted_idx.tolist()], dtype=np.int64)
+        proposal = proposer.propose(
+            DraftStepInputs(
+                self.batch,
+                step.states,
+                step.rows,
+                step.input_ids,
+                step.positions,
+                step.query_start_loc,
+                step.attn_inputs,
+                step.attn_metadata,
+                hidden,
+                drafted_idx,
+                max_drafts,
             )
-            for i, d in zip(drafted_idx.tolist(), proposal.drafts, strict=True):
-                drafts[i] = d
-        elif len(step.sample_idx):
-            rows = step.rows[step.sample_idx]
-            proposed = self.proposer.propose(self.batch.token_ids, self.batch.num_tokens, rows)
-            for i, d in zip(step.sample_idx.tolist(), proposed, strict=True):
-                drafts[i] = d
+        )
+        for i, d in zip(drafted_idx.tolist(), proposal.drafts, strict=True):
+            drafts[i] = d
         return drafts
 
     def _forget(self, req_id: str) -> None:
         self.batch.remove(req_id)
-        if isinstance(self.proposer, ModelProposer):
+        if self.proposer is not None:
             self.proposer.forget(req_id)
 
     def _apply_scheduler_output(self, so: SchedulerOutput) -> None:
@@ -664,6 +680,17 @@ class ModelRunner:
                 continue
             r0 = int(first_row[j])
             dest[i] = [(ids[r][: n + 1], lps[r][: n + 1], ranks[r]) for r in range(r0, r0 + int(num_out[j]))]
+
+
+def _claim_device(name: str) -> tuple[torch.device, MemorySnapshot | None]:
+    """The runner's device, made current; on a GPU also the memory baseline taken before anything is loaded."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device, None
+    if device.index is None:  # "cuda": the current GPU, named by index (set_device needs one)
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device, MemorySnapshot.take(device)
 
 
 def _ragged_arange(counts: np.ndarray) -> np.ndarray:

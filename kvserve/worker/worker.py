@@ -4,17 +4,18 @@ whose arguments and results are plain values.
 
 Every rank runs the same step on the same SchedulerOutput: the layers exchange activations with collectives,
 every rank gets the full logits and samples the same tokens (same seeds, same generator), so each keeps its own
-InputBatch in step with no further message. Only the driver (rank 0) returns its ModelRunnerOutput.
+InputBatch in step with no further message. Only the driver (rank 0) returns its ModelRunnerOutput; with a KV
+connector the other ranks return their connector report, which the executor aggregates.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 
 from kvserve.config import EngineConfig
 from kvserve.core.sched_output import SchedulerOutput
+from kvserve.kv_cache_spec import KVCacheSpec
 from kvserve.outputs import ModelRunnerOutput
 from kvserve.threads import ThreadPlan, apply_thread_plan, set_compute_threads
 
@@ -47,31 +48,35 @@ class Worker:
         from kvserve.worker.model_runner import ModelRunner
 
         c = self.config
-        self.runner = ModelRunner(
-            c.model, c.cache, c.scheduler, timer, c.speculative, c.kv_transfer, allocate_kv_cache=False
-        )
+        self.runner = ModelRunner(c.model, c.cache, c.scheduler, timer, c.speculative, c.kv_transfer)
 
     def set_num_threads(self, num_threads: int) -> None:
         """The engine's run-time thread adaptation (kvserve/thread_adapt.py): this rank's compute threads from the
         next step on."""
         set_compute_threads(num_threads)
 
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        return self.runner.kv_cache_spec()
+
     def determine_num_kv_blocks(self) -> int:
         return self.runner.determine_num_kv_blocks()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int, spec: KVCacheSpec) -> None:
+        self.runner.initialize_kv_cache(num_blocks, num_swap_blocks, spec)
+
+    def get_handshake_metadata(self) -> dict | None:
+        return self.runner.handshake_metadata()
 
     def prefault_kv_cache(self) -> None:
         self.runner.prefault_kv_cache()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The driver returns the step's output (with async scheduling: the previous step's, or None). The other
+        ranks return only their KV connector's report, which the executor aggregates (None without one)."""
         output = self.runner.execute_model(scheduler_output)
-        return output if self.rank == 0 else None
-
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Async scheduling (one rank): launch this step, return the previous one's output."""
-        return self.runner.execute_model_async(scheduler_output)
+        if self.rank == 0 or output is None or output.kv_connector_output is None:
+            return output if self.rank == 0 else None
+        return ModelRunnerOutput([], [], kv_connector_output=output.kv_connector_output)
 
     def check_health(self) -> int:
         return os.getpid()
@@ -81,10 +86,3 @@ class Worker:
         wait on a peer that is already gone."""
         if self.runner is not None:
             self.runner.shutdown()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (for the process group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

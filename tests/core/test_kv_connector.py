@@ -8,11 +8,12 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
+from kvserve.attention.spec import AttentionSpec
 from kvserve.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
+from kvserve.kv_cache_spec import KVCacheSpec
 from kvserve.kv_transfer.base import (
-    KVConnectorInfo,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorScheduler,
@@ -40,7 +41,7 @@ class FakeConnector(KVConnectorScheduler):
     """Holds whatever prefixes `stored` lists (by block hash); its worker is simulated by FakeWorker."""
 
     def __init__(self, stored: set[bytes], load_async: bool = True) -> None:
-        super().__init__(KVTransferConfig("fake"), KVConnectorInfo(BS, 1, 64, "fake"))
+        super().__init__(KVTransferConfig("fake"), KVCacheSpec(BS, (AttentionSpec("float32"),), (64,), "fake"))
         self.stored = stored
         self.load_async = load_async
         self._pending: dict[str, list[int]] = {}
@@ -70,7 +71,7 @@ class FakeConnector(KVConnectorScheduler):
 
     def request_finished(self, request, block_ids):
         self.finished.append(request.request_id)
-        return False
+        return False, None
 
 
 class FakeWorker:

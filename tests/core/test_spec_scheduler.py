@@ -8,7 +8,7 @@ from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.hashing import extend_block_hashes
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
-from kvserve.core.spec_decode import FLAT_STEP_TOKENS, SpecDecodePolicy
+from kvserve.core.spec_policy import FLAT_STEP_TOKENS, SpecDecodePolicy
 from kvserve.outputs import ModelRunnerOutput
 from kvserve.request import RequestStatus
 from tests.core.helpers import assert_no_leak, make_request, next_token, reference_output

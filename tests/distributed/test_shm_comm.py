@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserve.distributed import shm_comm
-from kvserve.worker.worker import free_port
+from kvserve.process_utils import free_port
 
 WORLD = 2
 BUFFER_BYTES = 4096  # small, so that the fallback path is cheap to reach

@@ -34,7 +34,7 @@ def run(model_path: str, prompts, params, **options) -> tuple[list[list[int]], l
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert_all_blocks_free(llm)
     core = llm.engine.engine_core
-    assert core._in_flight is None and core.runner._in_flight is None
+    assert core._in_flight is None and core.executor.driver_runner._in_flight is None
     return [o.outputs[0].token_ids for o in outs], outs
 
 
@@ -150,13 +150,13 @@ def test_no_step_is_scheduled_past_max_tokens(model_path):
     llm = LLM(model_path, dtype="float32", max_model_len=128, async_scheduling=True)
     core = llm.engine.engine_core
     sampled = []
-    execute = core.executor.execute_model_async
+    execute = core.executor.execute_model
 
     def counting(so):
         sampled.append(so.total_num_scheduled_tokens)
         return execute(so)
 
-    core.executor.execute_model_async = counting
+    core.executor.execute_model = counting
     out = llm.generate(rand_prompts(1, 6), SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 7
     # One prefill step, six decode steps, then one empty step that only collects the last token.

@@ -80,8 +80,8 @@ class FailingRamLoads(OffloadConnectorWorker):
     """The offload worker, but every synchronous (RAM-only) load of two blocks or more fails after its first block,
     with garbage written over the rest: a forward pass that read them would change the output."""
 
-    def __init__(self, config, info) -> None:
-        super().__init__(config, info)
+    def __init__(self, config, spec, rank=0) -> None:
+        super().__init__(config, spec, rank)
         self._failed: dict[str, int] = {}
 
     def start_load_kv(self, metadata) -> set[str]:
@@ -91,7 +91,7 @@ class FailingRamLoads(OffloadConnectorWorker):
                 self._finished.discard(req_id)
                 for block_id, _, _ in loads[1:]:
                     self.pools[0][block_id].fill_(1e4)
-                self._failed[req_id] = self.info.block_size
+                self._failed[req_id] = self.spec.block_size
         return failed | set(self._failed)
 
     def get_finished(self, idle: bool) -> KVConnectorOutput:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvserve.core.block_pool import PrefixCacheStats
-from kvserve.core.spec_decode import SpecDecodingStats
+from kvserve.core.spec_policy import SpecDecodingStats
 from kvserve.engine.messages import CoreOutputs, CoreStats, encoder, from_core_decoder
 
 

@@ -52,7 +52,7 @@ def test_fused_layer_is_bitwise_the_module_path(tiny_model_factory, name, dtype,
         max_num_batched_tokens=300,
         quantization=quantization,
     )
-    layers = llm.engine.engine_core.runner.model.model.layers
+    layers = llm.engine.engine_core.executor.driver_runner.model.model.layers
     assert all(layer._fused is not None for layer in layers), "the fused layer should run this model"
     if quantization:
         assert isinstance(layers[0].mlp.down_proj, Int8Linear)

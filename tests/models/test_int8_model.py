@@ -36,7 +36,7 @@ def test_int8_generation_is_right_and_independent_of_scheduling(smollm2_gguf, sm
         if "preempt" in cond:
             kwargs = {**kwargs, "num_kv_blocks": 16}  # these prompts are shorter than the parity test's
         llm = LLM(smollm2_gguf, dtype="float32", quantization="int8", max_model_len=256, **kwargs)
-        model = llm.engine.engine_core.runner.model
+        model = llm.engine.engine_core.executor.driver_runner.model
         assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.layers[0].mlp.down_proj, Int8Linear)
         for round_idx, got in enumerate(run_condition(llm, prompts)):
             if reference is None:
@@ -71,5 +71,5 @@ def test_auto_quantizes_a_quantized_gguf_and_reports_smaller_weights(smollm2_ggu
         llm = LLM(smollm2_gguf, dtype="float32", quantization=quant, max_model_len=128)
         assert llm.engine.config.model.quantization == ("int8" if quant == "auto" else None)
         assert len(llm.generate("Hello", out, use_tqdm=False)[0].outputs[0].token_ids) == 4
-        sizes[quant] = llm.engine.engine_core.runner.weight_bytes
+        sizes[quant] = llm.engine.engine_core.executor.driver_runner.weight_bytes
     assert sizes["auto"] < 0.5 * sizes["none"]

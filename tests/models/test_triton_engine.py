@@ -71,7 +71,7 @@ def check(llm: LLM, prompts, refs, rounds: int = 2) -> None:
 def test_greedy_matches_hf_eager(model_and_references, kwargs):
     path, prompts, refs = model_and_references
     llm = make_llm(path, **kwargs)
-    assert llm.engine.engine_core.runner.attn_backend.describe(16).startswith("Triton")
+    assert llm.engine.engine_core.executor.driver_runner.attn_backend.describe(16).startswith("Triton")
     check(llm, prompts, refs)
     stats = llm.stats()
     assert stats["prefix_cache"]["num_hit_tokens"] > 0
@@ -84,7 +84,7 @@ def test_greedy_matches_hf_through_decode_graph_buffers(model_and_references):
     sizes 1, 2, 4, 6), then fewer as requests finish."""
     path, prompts, refs = model_and_references
     llm = make_llm(path, max_num_seqs=6)
-    runner = llm.engine.engine_core.runner
+    runner = llm.engine.engine_core.executor.driver_runner
     if DEVICE == "cpu":
         assert runner.graphs is None  # graphs are captured on a GPU only
         runner.graphs = runner.build_decode_graphs(capture=False)
@@ -116,7 +116,7 @@ def test_async_scheduling_through_decode_graph_buffers(model_and_references):
     into the graph's persistent buffers: greedy tokens still equal HF's."""
     path, prompts, refs = model_and_references
     llm = make_llm(path, max_num_seqs=6, async_scheduling=True)
-    runner = llm.engine.engine_core.runner
+    runner = llm.engine.engine_core.executor.driver_runner
     if DEVICE == "cpu":
         runner.graphs = runner.build_decode_graphs(capture=False)
     fills = []
@@ -173,7 +173,7 @@ def test_dummy_weights_and_the_profiling_step(tiny_model_factory, tmp_path):
         if not name.endswith(".safetensors"):
             shutil.copy(os.path.join(src, name), tmp_path / name)
     llm = make_llm(str(tmp_path), load_format="dummy", enforce_eager=True, max_num_seqs=4)
-    runner = llm.engine.engine_core.runner
+    runner = llm.engine.engine_core.executor.driver_runner
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     runner.dummy_run(num_tokens=40, num_reqs=6)
     for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
@@ -192,7 +192,7 @@ def test_gpu_memory_profiling_sizes_the_pool(model_and_references):
     path, prompts, refs = model_and_references
     total = torch.cuda.mem_get_info()[1]
     llm = LLM(path, dtype="float32", max_model_len=256, device="cuda", gpu_memory_utilization=0.5)
-    runner = llm.engine.engine_core.runner
+    runner = llm.engine.engine_core.executor.driver_runner
     kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in runner.kv_caches)
     # The tiny model's weights and activations are small: the pool is most of half the GPU, and no more.
     assert 0.35 * total < kv_bytes < 0.5 * total

@@ -139,7 +139,7 @@ def test_adaptive_limits_cut_the_draft_steps(target_path, eagle_head_path, plain
     limit, and most are single drafts."""
     config = {"method": "eagle", "model": eagle_head_path, "num_speculative_tokens": K}
     llm = LLM(target_path, dtype="float32", max_model_len=256, speculative_config=config)
-    proposer = llm.engine.engine_core.runner.proposer
+    proposer = llm.engine.engine_core.executor.driver_runner.proposer
     seen: list[tuple[int, int]] = []
     propose = proposer.propose
 

@@ -48,7 +48,7 @@ def plain(target_path) -> LLM:
 def test_greedy_identical_on_the_triton_backend(method, target_path, eagle_head_path, plain):
     model = target_path if method == "draft_model" else eagle_head_path
     llm = make_llm(target_path, enforce_eager=True, speculative_config=spec_config(method, model))
-    runner = llm.engine.engine_core.runner
+    runner = llm.engine.engine_core.executor.driver_runner
     proposer = runner.proposer
     assert isinstance(proposer, ModelProposer)
     assert proposer.backend.describe(16).startswith("Triton")
@@ -69,7 +69,7 @@ def test_eagle_after_decode_steps_replayed_from_graph_buffers(target_path, eagle
     """Every other step proposes nothing, so the next is decode-only and runs through the graph path; the EAGLE
     head then mirrors a step without eager attention metadata."""
     llm = make_llm(target_path, max_num_seqs=4, speculative_config=spec_config("eagle", eagle_head_path))
-    runner = llm.engine.engine_core.runner
+    runner = llm.engine.engine_core.executor.driver_runner
     if DEVICE == "cpu":
         assert runner.graphs is None
         runner.graphs = runner.build_decode_graphs(capture=False)

@@ -15,6 +15,7 @@ def test_runner_uses_the_selected_backend_and_shutdown_stops_the_prefault(tiny_m
     args = EngineArgs(model=path, dtype="float32", max_model_len=128, kv_cache_memory=1 << 30, kv_prefault="background")
     config = args.create_engine_config()
     runner = ModelRunner(config.model, config.cache, config.scheduler)
+    runner.initialize_kv_cache(runner.determine_num_kv_blocks())
     want = CpuKernelAttentionBackend if load_cpu_kernels() is not None else TorchRefAttentionBackend
     assert isinstance(runner.attn_backend, want)
     shape = runner.attn_backend.kv_cache_shape(runner.num_blocks, runner.block_size)

@@ -112,6 +112,9 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's field for the KV connector (prefill/decode disaggregation: do_remote_decode, do_remote_prefill, ...);
+    # the response of a finished request carries the connector's answer in the same field.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_stop(self) -> SamplingFields:
@@ -178,6 +181,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------ chat completions
@@ -255,6 +259,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):

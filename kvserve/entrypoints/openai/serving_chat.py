@@ -104,7 +104,12 @@ class ChatHandler:
             )
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            kv_transfer_params=final.kv_transfer_params,
         )
 
     async def _stream(self, req, request_id, created, stream: RequestStream, echo: str) -> AsyncIterator[str]:

@@ -66,6 +66,7 @@ def to_sampling_params(
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             structured_outputs=structured_outputs,
+            extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params is not None else None,
         )
     except ValueError as e:
         field = str(e).split()[0].removeprefix("SamplingParams.")

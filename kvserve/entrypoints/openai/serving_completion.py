@@ -113,7 +113,10 @@ class CompletionHandler:
                 )
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda c: c.index)
-        return CompletionResponse(id=base_id, created=created, model=self.model_name, choices=choices, usage=usage)
+        params = next((out.kv_transfer_params for out in finals if out.kv_transfer_params is not None), None)
+        return CompletionResponse(
+            id=base_id, created=created, model=self.model_name, choices=choices, usage=usage, kv_transfer_params=params
+        )
 
     async def _stream(self, req, base_id, created, streams, n) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvserve.config import KVTransferConfig
+from kvserve.kv_cache_spec import KVCacheSpec
 from kvserve.utils import parse_bytes
 
 _KEYS = ("cpu_bytes", "disk_path", "disk_bytes")
@@ -39,3 +40,10 @@ class OffloadOptions:
 def layout_dir(disk_path: str, layout_id: str) -> str:
     """One subdirectory per model and KV layout, so a directory shared by several engines never mixes them."""
     return os.path.join(disk_path, xxhash.xxh3_64_hexdigest(layout_id.encode()))
+
+
+def rank_dir(disk_path: str, spec: KVCacheSpec, rank: int) -> str:
+    """Where rank `rank` keeps its part of each block: the layout's directory, with one subdirectory per rank under
+    tensor parallelism (each rank holds its own slice of every block)."""
+    base = layout_dir(disk_path, spec.layout_id)
+    return base if spec.tp_size == 1 else os.path.join(base, f"rank{rank}")

@@ -9,6 +9,9 @@ cache's chained block hashes, so a hit anywhere means the same whole prefix:
 - Disk tier: written behind RAM (each RAM save of a block the disk lacks also queues a file write on the worker's
   I/O thread); an entry exists only once the worker reports the file written, and start-up indexes the files a
   previous engine left (oldest first). LRU within `disk_bytes`; evicted files are deleted by the worker.
+With tensor parallelism every rank holds its own slice of each block (its RAM tier, its own disk directory); the
+indexes here are shared, since the ranks run the same steps, and a block is on disk only once every rank has
+written its part (start-up indexes only blocks whose part every rank's directory has).
 A hit held wholly in RAM loads synchronously (the worker copies it in before the step's forward pass, and the request
 computes its remaining tokens in that step); a hit with any block on disk loads asynchronously. Loads pin their
 entries until the worker reports them done; a block that failed to load leaves the index.
@@ -23,10 +26,11 @@ from dataclasses import dataclass, field
 
 from kvserve.config import KVTransferConfig
 from kvserve.core.hashing import BlockHash
-from kvserve.kv_transfer.base import KVConnectorInfo, KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
+from kvserve.kv_cache_spec import KVCacheSpec
+from kvserve.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
 from kvserve.kv_transfer.offload import disk_format
 from kvserve.kv_transfer.offload.index import TierIndex
-from kvserve.kv_transfer.offload.options import OffloadOptions, layout_dir
+from kvserve.kv_transfer.offload.options import OffloadOptions, rank_dir
 
 logger = logging.getLogger(__name__)
 
@@ -53,23 +57,28 @@ class OffloadReport:
 
 
 class OffloadConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: KVTransferConfig, info: KVConnectorInfo) -> None:
-        super().__init__(config, info)
+    report_type = OffloadReport
+
+    def __init__(self, config: KVTransferConfig, spec: KVCacheSpec) -> None:
+        super().__init__(config, spec)
         self.options = OffloadOptions.from_config(config)
-        self.block_size = info.block_size
-        num_slots = self.options.cpu_bytes // info.block_bytes
+        self.block_size = spec.block_size
+        num_slots = self.options.cpu_bytes // spec.block_bytes
         if num_slots < 1:
             raise ValueError(
-                f"kv_transfer_config: cpu_bytes {self.options.cpu_bytes} holds no block of {info.block_bytes} bytes"
+                f"kv_transfer_config: cpu_bytes {self.options.cpu_bytes} holds no block of {spec.block_bytes} bytes"
             )
         self.ram = TierIndex(num_slots)
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self.disk: TierIndex | None = None
         self._disk_pending: set[BlockHash] = set()  # writes queued, not yet reported
         self._pending_deletes: list[BlockHash] = []
+        # Disk writes reported by some ranks, not yet all: block hash -> ranks that wrote their part.
+        self._disk_written: dict[BlockHash, int] = {}
         if self.options.disk_path is not None:
-            self.disk = TierIndex(max(1, self.options.disk_bytes // disk_format.file_size(info.block_bytes)))
-            self._scan_disk(layout_dir(self.options.disk_path, info.layout_id))
+            file_bytes = sum(disk_format.file_size(b) for b in spec.rank_block_bytes)
+            self.disk = TierIndex(max(1, self.options.disk_bytes // file_bytes))
+            self._scan_disk()
         # Per request: its device block ids (mirrored from the scheduler outputs) and how many leading blocks were
         # considered for saving.
         self._block_ids: dict[str, list[int]] = {}
@@ -87,30 +96,41 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
             "failed_loads": 0,
         }
 
-    def _scan_disk(self, directory: str) -> None:
-        assert self.disk is not None
-        os.makedirs(directory, exist_ok=True)
-        size = disk_format.file_size(self.info.block_bytes)
-        found = []
-        with os.scandir(directory) as it:
-            for entry in it:
-                block_hash = disk_format.hash_of(entry.name)
-                if block_hash is None:
-                    continue
-                st = entry.stat()
-                if st.st_size != size:  # truncated (files are replaced whole, so never a write in progress)
-                    logger.warning("KV disk tier: deleting %s (size %d, expected %d)", entry.path, st.st_size, size)
-                    os.unlink(entry.path)
-                    continue
-                found.append((st.st_mtime, block_hash))
-        found.sort()
-        excess = max(0, len(found) - self.disk.capacity)
-        for _, block_hash in found[:excess]:  # over the budget (it may have shrunk): the oldest go
-            os.unlink(os.path.join(directory, disk_format.file_name(block_hash)))
-        for _, block_hash in found[excess:]:
+    def _scan_disk(self) -> None:
+        """Index the blocks a previous engine left whose part every rank's directory holds, oldest first; delete
+        truncated files, parts without their siblings, and the oldest blocks beyond the budget."""
+        assert self.disk is not None and self.options.disk_path is not None
+        spec = self.spec
+        dirs = [rank_dir(self.options.disk_path, spec, r) for r in range(spec.tp_size)]
+        parts: list[dict[BlockHash, float]] = []
+        for directory, block_bytes in zip(dirs, spec.rank_block_bytes, strict=True):
+            os.makedirs(directory, exist_ok=True)
+            size = disk_format.file_size(block_bytes)
+            found: dict[BlockHash, float] = {}
+            with os.scandir(directory) as it:
+                for entry in it:
+                    block_hash = disk_format.hash_of(entry.name)
+                    if block_hash is None:
+                        continue
+                    st = entry.stat()
+                    if st.st_size != size:  # truncated (files are replaced whole, so never a write in progress)
+                        logger.warning("KV disk tier: deleting %s (size %d, expected %d)", entry.path, st.st_size, size)
+                        os.unlink(entry.path)
+                        continue
+                    found[block_hash] = st.st_mtime
+            parts.append(found)
+        complete = set(parts[0]).intersection(*parts[1:])
+        ordered = sorted(complete, key=lambda h: max(p[h] for p in parts))
+        excess = max(0, len(ordered) - self.disk.capacity)
+        doomed = set(ordered[:excess])  # over the budget (it may have shrunk): the oldest go
+        for directory, found in zip(dirs, parts, strict=True):
+            for block_hash in found:
+                if block_hash in doomed or block_hash not in complete:
+                    os.unlink(os.path.join(directory, disk_format.file_name(block_hash)))
+        for block_hash in ordered[excess:]:
             self.disk.insert(block_hash, None)
-        if found:
-            logger.info("KV disk tier: %d blocks found in %s", len(found) - excess, directory)
+        if ordered:
+            logger.info("KV disk tier: %d blocks found in %s", len(ordered) - excess, dirs[0])
 
     # ------------------------------------------------------------------ lookups and loads
 
@@ -202,19 +222,34 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
     # ------------------------------------------------------------------ reports
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """`output.report`: the ranks' OffloadReports. A block written by every rank joins the disk index; one
+        that failed to write or to load on any rank leaves it (and every rank's part is deleted)."""
         for req_id in output.finished_loading | set(output.failed_loading):
             self._unpin(req_id)
         self.counters["failed_loads"] += len(output.failed_loading)
-        report = output.report
-        if not isinstance(report, OffloadReport):
-            return
+        for raw in output.report or []:
+            if raw is not None:
+                self._apply_report(self.decode_report(raw))
+
+    def _apply_report(self, report: OffloadReport) -> None:
         for block_hash in report.disk_bad:
-            if self.disk is not None:
+            if self.disk is not None and block_hash in self.disk:
                 self.disk.remove(block_hash)
+                self._pending_deletes.append(block_hash)
         for block_hash in report.disk_write_failed:
-            self._disk_pending.discard(block_hash)
+            if block_hash in self._disk_pending:
+                self._disk_pending.discard(block_hash)
+                self._disk_written.pop(block_hash, None)
+                self._pending_deletes.append(block_hash)  # the parts other ranks wrote
         if self.disk is not None:
             for block_hash in report.disk_written:
+                if block_hash not in self._disk_pending:
+                    continue  # another rank failed it
+                ranks = self._disk_written.get(block_hash, 0) + 1
+                if ranks < self.spec.tp_size:
+                    self._disk_written[block_hash] = ranks
+                    continue
+                self._disk_written.pop(block_hash, None)
                 self._disk_pending.discard(block_hash)
                 if block_hash in self.disk:
                     continue
@@ -227,7 +262,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
                     self.counters["disk_evicted_blocks"] += 1
                 self.disk.insert(block_hash, None)
                 self.counters["disk_saved_blocks"] += 1
-        for key, value in report.counters.items():
+        for key, value in report.counters.items():  # bytes and seconds: summed over the ranks
             self.counters[key] = self.counters.get(key, 0) + value
 
     def _unpin(self, req_id: str) -> None:
@@ -235,12 +270,12 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
             if block_hash in tier:
                 tier.unpin(block_hash)
 
-    def request_finished(self, request, block_ids: list[int]) -> bool:
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         # A load already planned still goes out and is reported (the scheduler holds a loading request's blocks
         # until then), which is when its pins go.
         self._block_ids.pop(request.request_id, None)
         self._num_saved.pop(request.request_id, None)
-        return False
+        return False, None
 
     def has_pending_work(self) -> bool:
         return bool(self._disk_pending)

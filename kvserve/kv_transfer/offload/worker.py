@@ -20,9 +20,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from kvserve.config import KVTransferConfig
-from kvserve.kv_transfer.base import KVConnectorInfo, KVConnectorOutput, KVConnectorWorker
+from kvserve.kv_cache_spec import KVCacheSpec
+from kvserve.kv_transfer.base import KVConnectorOutput, KVConnectorWorker
 from kvserve.kv_transfer.offload import disk_format
-from kvserve.kv_transfer.offload.options import OffloadOptions, layout_dir
+from kvserve.kv_transfer.offload.options import OffloadOptions, rank_dir
 from kvserve.kv_transfer.offload.scheduler import DISK, OffloadMetadata, OffloadReport
 from kvserve.worker.kv_cache import blocks_view
 
@@ -32,15 +33,20 @@ _IDLE_WAIT_S = 0.01  # how long an idle step waits for an in-flight disk load be
 
 
 class OffloadConnectorWorker(KVConnectorWorker):
-    def __init__(self, config: KVTransferConfig, info: KVConnectorInfo) -> None:
-        super().__init__(config, info)
+    metadata_type = OffloadMetadata
+
+    def __init__(self, config: KVTransferConfig, spec: KVCacheSpec, rank: int = 0) -> None:
+        super().__init__(config, spec, rank)
         self.options = OffloadOptions.from_config(config)
-        self.num_slots = self.options.cpu_bytes // info.block_bytes
+        # The slots the scheduler side counts (the budget over every rank's slice of a block), each this rank's.
+        self.num_slots = self.options.cpu_bytes // spec.block_bytes
         # The pool, then the pools that mirror its block ids (a draft's), each [num_blocks, 2 * num_layers, ...].
         self.pools: list[torch.Tensor] = []
         self.ram: torch.Tensor | None = None  # [num_slots, block_bytes] uint8: each pool's block in turn
-        self.dir = layout_dir(self.options.disk_path, info.layout_id) if self.options.disk_path else None
-        self._digest = disk_format.layout_digest(info.layout_id)
+        self.dir = rank_dir(self.options.disk_path, spec, rank) if self.options.disk_path else None
+        if self.dir is not None:
+            os.makedirs(self.dir, exist_ok=True)
+        self._digest = disk_format.layout_digest(f"{spec.layout_id}|rank={rank}")
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-io") if self.dir else None
         self._pending_saves: list[tuple[int, int, bytes, bool]] = []
         self._disk_loads: dict[str, Future] = {}  # req_id -> future of (num blocks loaded, bad hash or None)
@@ -53,7 +59,7 @@ class OffloadConnectorWorker(KVConnectorWorker):
         super().register_kv_caches(kv_caches, mirror_pools)
         self.pools = [blocks_view(pool) for pool in [kv_caches, *self.mirror_pools]]
         total = sum(pool[0].numel() * pool.element_size() for pool in self.pools)
-        assert total == self.info.block_bytes, (total, self.info.block_bytes)
+        assert total == self.block_bytes, (total, self.block_bytes)
         # torch.empty: pages are faulted in when a slot is first written, so an unused budget costs nothing.
         # A slot holds a block in the disk files' payload order.
         self.ram = torch.empty((self.num_slots, total), dtype=torch.uint8)
@@ -92,7 +98,7 @@ class OffloadConnectorWorker(KVConnectorWorker):
                 for block_id, slot in ram:
                     self._load_block(block_id, self.ram[slot])
                 self._count("load_time_s", time.perf_counter() - start)
-                self._count("ram_loaded_bytes", len(ram) * self.info.block_bytes)
+                self._count("ram_loaded_bytes", len(ram) * self.block_bytes)
             disk = [(i, block_id, block_hash) for i, (block_id, slot, block_hash) in enumerate(loads) if slot == DISK]
             if disk:
                 assert self._io is not None
@@ -109,7 +115,7 @@ class OffloadConnectorWorker(KVConnectorWorker):
         for index, block_id, block_hash in disk:
             path = os.path.join(self.dir, disk_format.file_name(block_hash))
             try:
-                payload = disk_format.read_block(path, self._digest, self.info.block_bytes)
+                payload = disk_format.read_block(path, self._digest, self.block_bytes)
             except disk_format.BadBlockFile as e:
                 logger.warning("KV disk tier: %s is a miss (%s); recomputing from there", path, e)
                 if os.path.exists(path):
@@ -140,7 +146,7 @@ class OffloadConnectorWorker(KVConnectorWorker):
                 assert self._io is not None
                 payload = memoryview(self.ram[slot].clone().numpy())
                 self._writes.append(self._io.submit(self._write, block_hash, payload))
-        self._count("ram_saved_bytes", len(saves) * self.info.block_bytes)
+        self._count("ram_saved_bytes", len(saves) * self.block_bytes)
         self._count("save_time_s", time.perf_counter() - start)
 
     def _write(self, block_hash: bytes, payload: memoryview) -> tuple[bytes, bool]:
@@ -182,7 +188,7 @@ class OffloadConnectorWorker(KVConnectorWorker):
             if failed_at is None:
                 out.finished_loading.add(req_id)
             else:
-                out.failed_loading[req_id] = failed_at * self.info.block_size
+                out.failed_loading[req_id] = failed_at * self.spec.block_size
                 out.report.disk_bad.append(bad_hash)
         still = []
         for future in self._writes:

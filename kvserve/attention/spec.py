@@ -1,0 +1,17 @@
+"""What one layer's attention asks of the KV cache: the per-layer variant, as a plain value.
+
+Pure Python (no torch), so the engine core, the scheduler and the connectors' scheduler sides may read it
+(tests/test_layering.py allows this one module of attention/ there). The runner builds one per layer from the
+model and its attention backend, and they travel inside the KVCacheSpec (kvserve/kv_cache_spec.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    kv_dtype: str  # what a K/V element is stored as: "float32" | "bfloat16" | "float16"
+    # Keys a query may see, itself included (HF's `sliding_window`); None: the whole context.
+    sliding_window: int | None = None

@@ -1,0 +1,102 @@
+"""Which features combine: the one place that refuses a combination, before anything loads, and says why.
+
+Each rule is (what, whether it applies to a config, why it is refused). `check_engine_config` raises one
+ValueError naming every refused combination of a config; `check_request` does the same for what a single request
+asks of a running engine. Options that are merely invalid on their own (a bad dtype, a negative size) are
+checked where they are parsed (engine/arg_utils.py), not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvserve.config import EngineConfig
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Rule:
+    what: str
+    applies: Callable[[EngineConfig], bool]
+    why: str
+
+
+def _gpu(c: EngineConfig) -> bool:
+    return c.model.device.startswith("cuda")
+
+
+def _tp(c: EngineConfig) -> bool:
+    return c.parallel.tensor_parallel_size > 1
+
+
+def _model_proposer(c: EngineConfig) -> bool:
+    return c.speculative is not None and c.speculative.method != "ngram"
+
+
+_ASYNC = "async_scheduling"
+
+# Refused before anything loads.
+RULES: tuple[Rule, ...] = (
+    Rule(
+        f"{_ASYNC} with speculative decoding",
+        lambda c: c.scheduler.async_scheduling and c.speculative is not None,
+        "the next step's drafts come from this step's tokens, which async scheduling does not wait for",
+    ),
+    Rule(
+        f"{_ASYNC} with a KV connector (kv_transfer_config)",
+        lambda c: c.scheduler.async_scheduling and c.kv_transfer is not None,
+        "a connector's loads and saves are reported per step, in the step that ran them",
+    ),
+    Rule(
+        f"{_ASYNC} with tensor_parallel_size > 1 or a non-uniproc executor",
+        lambda c: c.scheduler.async_scheduling and c.parallel.distributed_executor_backend != "uniproc",
+        "async scheduling overlaps the host's work with one GPU's; the GPU path has no tensor parallelism yet",
+    ),
+    Rule(
+        "quantization with tensor_parallel_size > 1",
+        lambda c: _tp(c) and c.model.quantization is not None,
+        "the int8 panels are packed for a whole weight, not for a rank's slice, yet",
+    ),
+    Rule(
+        "draft-model or EAGLE speculation with tensor_parallel_size > 1",
+        lambda c: _tp(c) and _model_proposer(c),
+        "the draft's own KV pool and forward passes are not sharded over ranks yet (n-gram works)",
+    ),
+    Rule(
+        "tensor_parallel_size > 1 on the GPU",
+        lambda c: _gpu(c) and _tp(c),
+        "not supported on the GPU yet: tensor_parallel_size > 1 (no NCCL communicator yet)",
+    ),
+    Rule(
+        "quantization on the GPU",
+        lambda c: _gpu(c) and c.model.quantization is not None,
+        "not supported on the GPU yet: quantization {quantization} (CPU int8 kernels)",
+    ),
+    Rule(
+        "a CPU attention backend on the GPU",
+        lambda c: _gpu(c) and c.model.attention_backend in ("cpu", "torch"),
+        "not supported on the GPU yet: attention_backend {attention_backend} (CPU backends)",
+    ),
+)
+
+
+def refusals(config: EngineConfig) -> list[str]:
+    """Every refused combination of `config`, as "what: why"."""
+    fill = {"quantization": config.model.quantization, "attention_backend": config.model.attention_backend}
+    return [f"{rule.what}: {rule.why.format(**fill)}" for rule in RULES if rule.applies(config)]
+
+
+def check_engine_config(config: EngineConfig) -> None:
+    found = refusals(config)
+    if found:
+        device = config.model.device
+        raise ValueError(f"these options do not combine (device {device}): " + "; ".join(found))
+
+
+def check_request(config: EngineConfig, params: SamplingParams) -> None:
+    """What one request asks of an engine built from `config` (ValueError: the request is refused, the engine
+    goes on)."""
+    if params.structured_outputs is not None and config.scheduler.async_scheduling:
+        # Step N+1's mask needs step N's token, which async scheduling does not wait for.
+        raise ValueError("structured outputs are not supported with async scheduling")
