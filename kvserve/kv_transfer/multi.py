@@ -122,7 +122,9 @@ class MultiConnectorScheduler(KVConnectorScheduler):
 
     def stats(self) -> dict[str, float]:
         return {
-            f"{cfg.kv_connector}.{k}": v for cfg, c in zip(self.configs, self.connectors) for k, v in c.stats().items()
+            f"{cfg.kv_connector}.{key}": value
+            for cfg, c in zip(self.configs, self.connectors, strict=True)
+            for key, value in c.stats().items()
         }
 
     def shutdown(self) -> None:
