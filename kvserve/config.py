@@ -96,8 +96,8 @@ class KVTransferConfig:
     {"kv_connector": "offload", "cpu_bytes": "2GiB", "disk_path": "/var/cache/kvserve", "disk_bytes": "20GiB"}."""
 
     kv_connector: str
-    # The connector's options (every key but kv_connector, kv_role and engine_id), as sorted (key, value) pairs so
-    # the config stays immutable; `options` gives them back as a dict.
+    # The connector's options (every key but the named fields below), as sorted (key, value) pairs so the config
+    # stays immutable; `options` gives them back as a dict.
     extra: tuple[tuple[str, object], ...] = ()
     # vLLM's roles: what this instance does with KV between instances (prefill/decode disaggregation): produce it
     # (a prefill instance), consume it (a decode instance), or both. Connectors that only move KV within an
@@ -105,6 +105,9 @@ class KVTransferConfig:
     kv_role: str = "kv_both"
     # This instance's name among instances that exchange KV (None: a random one at start-up).
     engine_id: str | None = None
+    # vLLM's `kv_connector_module_path`: a module that registers the connector (kv_transfer/factory.py) when
+    # imported, in every process that builds a side of it.
+    module_path: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> KVTransferConfig:
@@ -122,7 +125,10 @@ class KVTransferConfig:
         engine_id = d.pop("engine_id", None)
         if engine_id is not None and (not isinstance(engine_id, str) or not engine_id):
             raise ValueError(f"kv_transfer_config: engine_id must be a non-empty string, got {engine_id!r}")
-        return cls(name, tuple(sorted(d.items())), role, engine_id)
+        module_path = d.pop("kv_connector_module_path", None)
+        if module_path is not None and (not isinstance(module_path, str) or not module_path):
+            raise ValueError(f"kv_transfer_config: kv_connector_module_path must name a module, got {module_path!r}")
+        return cls(name, tuple(sorted(d.items())), role, engine_id, module_path)
 
     @property
     def options(self) -> dict:

@@ -124,7 +124,7 @@ class CpuInfo:
     @property
     def native_bf16(self) -> bool:
         """bf16 arithmetic in hardware (AVX512-BF16, AMX, or ARM's BF16 extension). Without it a bf16 matmul is
-        emulated: ~400x slower than fp32 on an AVX2-only CPU."""
+        emulated, orders of magnitude slower than fp32 (../shared/MACHINE-FACTS.md)."""
         if self.arch in ("aarch64", "arm64"):
             return "bf16" in self.features
         return bool(self.features & {"avx512_bf16", "amx_bf16"})

@@ -11,10 +11,9 @@ one OpenMP pool, so `torch.set_num_threads` and `OMP_NUM_THREADS` size all of th
 at run time the engine uses fewer threads while other processes take its CPUs (kvserve/thread_adapt.py).
 
 How idle OpenMP threads wait is read by libgomp when torch loads it (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`), so
-kvserve would set a default in the environment first (DEFAULT_WAIT_ENV). It sets none: passive waiting keeps 2x
-the throughput of as many spinning threads as cores beside a busy process, but on an idle machine it made batch-1
-decode 1.46x and batch-64 decode 1.14x slower (each of a step's hundreds of parallel regions wakes sleeping
-threads). libgomp's own short spin stays the default, and a busy machine is met by running fewer threads than
+kvserve would set a default in the environment first (DEFAULT_WAIT_ENV). It sets none: passive waiting keeps
+more throughput than spinning threads beside a busy process, but on an idle machine it made decode slower (each of
+a step's hundreds of parallel regions wakes sleeping threads; figures in docs/benchmarks.md, "Busy machines"). libgomp's own short spin stays the default, and a busy machine is met by running fewer threads than
 cores taken (thread_adapt.py), which leaves no spinning thread in another process's way; `OMP_WAIT_POLICY=PASSIVE`
 remains an option for a fixed count (docs/benchmarks.md, "Busy machines"). Waiting variables set by the user are
 passed on as they are.

@@ -2,8 +2,8 @@
 
 Every decode token and every token of a small prefill chunk is one row of a single kernel call that reads K/V
 through its request's block table up to the token's own position (so causality needs no mask): one call per
-layer, no gathered context, no per-request loop. On this CPU that is 1.5-1.7x faster than SDPA for prompt chunks
-of up to ~300 tokens and on par at 512. Big chunks (more than 1024 x 1024 query-key pairs) go to SDPA, one
+layer, no gathered context, no per-request loop. That beats SDPA for short prompt chunks and is level with it
+around 512 tokens (docs/benchmarks.md). Big chunks (more than 1024 x 1024 query-key pairs) go to SDPA, one
 request at a time, as in the torch reference (attention/torch_ref.py).
 
 With a bf16 cache on a CPU with AVX512-BF16, the cache blocks hold the pair-packed layout of
@@ -107,7 +107,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
         num_tokens = int(qsl[-1])
         # Decodes and small prefill chunks go to the kernel, one row per token; big chunks go to SDPA, whose tiles
         # reuse each K/V row across many queries where the kernel re-reads the whole context for every query token
-        # (measured: 1.5x faster than SDPA for a 300-token prompt, even at 512, 1.6x slower at 2048).
+        # (the crossover is measured in docs/benchmarks.md).
         by_kernel = np.diff(qsl) * seq_lens <= _KERNEL_MAX_WORK
         prefills = [prefill_span(inputs, i) for i in np.flatnonzero(~by_kernel)]
         req = np.repeat(np.arange(len(seq_lens)), np.diff(qsl))  # request of each token

@@ -5,8 +5,8 @@ dominates) those tokens are nearly free, but past some number of tokens per step
 compute-bound and every draft token costs its share; a rejected one is then pure loss. The adaptive rule
 (measured on this CPU with scripts/measure_step_cost.py, figures in docs/benchmarks.md):
 
-* the measured step cost is about b * (STEP_OVERHEAD_TOKENS + T) for T query tokens (kind A, SmolLM2 bf16: a
-  fixed ~16 ms, then ~0.75-0.9 ms per query token, drafts or decodes alike, from about 8 tokens on). With R
+* the measured step cost is about b * (STEP_OVERHEAD_TOKENS + T) for T query tokens: a fixed part, then a near
+  constant cost per query token, drafts or decodes alike (docs/benchmarks.md, "step cost"). With R
   decodes a draft token costs b and earns its acceptance probability times the step's cost per emitted token,
   b * (STEP_OVERHEAD_TOKENS + R) / R, so it pays only while the request's acceptance EMA exceeds
   `break_even_acceptance(R)` = R / (STEP_OVERHEAD_TOKENS + R): 0.05 at R = 1, 0.44 at 16, 0.76 at 64;

@@ -59,8 +59,8 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
             raise ValueError(f"unsupported dtype {dtype!r}; use one of auto, bfloat16, float16, float32")
         return _DTYPES[name]
     if name in _FP16:
-        # fp16 matmuls are emulated on CPUs without avx512_fp16/AMX-FP16 (~400x slower than bf16 on an
-        # AVX512-BF16 CPU): use what "auto" would.
+        # fp16 matmuls are emulated on CPUs without avx512_fp16/AMX-FP16 (orders of magnitude slower than bf16
+        # or fp32; ../shared/MACHINE-FACTS.md): use what "auto" would.
         chosen = default_dtype()
         logger.warning("dtype %s is unusably slow on this CPU; using %s instead", dtype, chosen)
         return chosen

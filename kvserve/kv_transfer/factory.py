@@ -33,6 +33,10 @@ def connector_names() -> list[str]:
 
 
 def _resolve(config: KVTransferConfig, side: int) -> type:
+    if config.module_path:
+        # A module of the user's that registers its connector (register_connector) when imported; imported in every
+        # process that builds a side, the executor's workers included.
+        importlib.import_module(config.module_path)
     name = _ALIASES.get(config.kv_connector, config.kv_connector)
     if name not in _REGISTRY:
         raise ValueError(

@@ -28,12 +28,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from kvserve.attention.base import AttentionInputs, KVCache
+from kvserve.attention.base import KVCache
 from kvserve.attention.selector import get_attn_backend
 from kvserve.attention.spec import AttentionSpec
 from kvserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
@@ -65,25 +64,9 @@ from kvserve.worker.input_batch import InputBatch, RequestState
 from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for, prefault_kv_cache
 from kvserve.worker.kv_io import KVIO
 from kvserve.worker.sampling_inputs import build_sampling_metadata
+from kvserve.worker.step_inputs import StepInputs, draft_matrix, prepare_step_inputs, ragged_arange
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _StepInputs:
-    req_ids: list[str]  # in batch order: decodes first
-    states: list[RequestState]
-    rows: np.ndarray  # [R] InputBatch row of each request
-    input_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T]
-    query_start_loc: np.ndarray  # [R + 1]
-    seq_lens: np.ndarray  # [R] context length after this step
-    sample_idx: np.ndarray  # indices into req_ids of the requests that sample a token this step
-    num_drafts: np.ndarray  # [R] draft tokens scheduled per request (0 without speculation)
-    attn_inputs: AttentionInputs
-    attn_metadata: Any  # None when the step replays a CUDA graph (its metadata lives in the graph's buffers)
-    graph_size: int | None  # the padded batch size of the CUDA graph this step replays, or None (eager)
-    token_rows: np.ndarray  # [T] InputBatch row of each token
 
 
 @dataclass
@@ -91,7 +74,7 @@ class _Launched:
     """A step whose forward pass and sampling are queued; `_finish` reads its tokens and builds its output."""
 
     so: SchedulerOutput
-    step: _StepInputs
+    step: StepInputs
     hidden: torch.Tensor  # [T, hidden] (a model proposer reads it)
     states: list[RequestState]  # of the requests that sample, in order
     num_logits: np.ndarray  # [S] scored positions per sampling request: its drafts + 1
@@ -375,7 +358,7 @@ class ModelRunner:
             return previous
         return self._finish(launched)
 
-    def _begin(self, so: SchedulerOutput) -> _StepInputs | None:
+    def _begin(self, so: SchedulerOutput) -> StepInputs | None:
         """Apply `so` to the batch and move its KV (swaps, connector loads); the step's inputs, or None when it
         computes nothing."""
         assert self.kv_io is not None
@@ -389,9 +372,9 @@ class ModelRunner:
             num_scheduled = {r: n for r, n in num_scheduled.items() if r not in failed_loads}
         if not num_scheduled:
             return None
-        return self._prepare_inputs(so, num_scheduled)
+        return prepare_step_inputs(self.batch, so, num_scheduled, self.block_size, self.attn_backend, self.graphs)
 
-    def _forward(self, step: _StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def _forward(self, step: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The step's hidden states; `fill` = (token indices, ids on the device) overrides input ids. A KV
         connector's per-layer calls run inside the layer loop when the step is eager, around a graph replay."""
         assert self.kv_io is not None
@@ -406,20 +389,20 @@ class ModelRunner:
             ids[fill[0]] = fill[1]
         return self.model(ids, positions, self.kv_caches, step.attn_metadata, self.kv_io.layer_hooks())
 
-    def _logits(self, step: _StepInputs, hidden: torch.Tensor) -> tuple[torch.Tensor | None, np.ndarray]:
+    def _logits(self, step: StepInputs, hidden: torch.Tensor) -> tuple[torch.Tensor | None, np.ndarray]:
         """Logits of the positions that are scored: the last k + 1 query tokens of each sampling request (its
         drafts' positions and the bonus); [sum(num_logits), V] with num_logits [S]."""
         num_logits = step.num_drafts[step.sample_idx] + 1
         if not len(step.sample_idx):
             return None, num_logits
         ends = step.query_start_loc[1:][step.sample_idx]
-        logits_idx = np.repeat(ends - num_logits, num_logits) + _ragged_arange(num_logits)
+        logits_idx = np.repeat(ends - num_logits, num_logits) + ragged_arange(num_logits)
         return self.model.compute_logits(hidden[self._to_device(logits_idx)]), num_logits
 
     def _launch_sample(
         self,
         so: SchedulerOutput,
-        step: _StepInputs,
+        step: StepInputs,
         hidden: torch.Tensor,
         logits: torch.Tensor | None,
         num_logits: np.ndarray,
@@ -443,13 +426,13 @@ class ModelRunner:
             batch.pending[rows] = np.arange(len(rows))
         else:
             # One sampling row per scored position; position j of a request sees its drafts before j as output.
-            offsets = _ragged_arange(num_logits)
+            offsets = ragged_arange(num_logits)
             row_states = [states[i] for i in np.repeat(np.arange(len(states)), num_logits)]
             metadata = build_sampling_metadata(
                 row_states, batch, self.vocab_size, self.generator, offsets, device=self.device
             )
             num_drafts = num_logits - 1
-            draft_ids = _draft_matrix(batch, rows, num_drafts)
+            draft_ids = draft_matrix(batch, rows, num_drafts)
             draft_probs = None
             if self.proposer is not None:
                 draft_probs = self.proposer.draft_probs([s.req_id for s in states], draft_ids, num_drafts)
@@ -526,7 +509,7 @@ class ModelRunner:
         if out is not None and out.logprobs is not None:
             self._collect_logprobs(out, step.sample_idx, launched.states, launched.num_logits, num_out, logprobs_lists)
 
-    def _in_flight_inputs(self, step: _StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _in_flight_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(token indices, token ids on the device) for the step's inputs that the step in flight is sampling."""
         in_flight = self._in_flight
         if in_flight is None or in_flight.tokens is None or in_flight.positions is None:
@@ -538,7 +521,7 @@ class ModelRunner:
             return None
         return self._to_device(dst), in_flight.tokens[self._to_device(src[dst])]
 
-    def _apply_grammar(self, so: SchedulerOutput, step: _StepInputs, num_logits: np.ndarray, logits) -> None:
+    def _apply_grammar(self, so: SchedulerOutput, step: StepInputs, num_logits: np.ndarray, logits) -> None:
         """Mask each constrained request's logits rows: one per draft it verifies and the last, each by its own
         bitmask row (the scheduler's order, 1 + drafts rows per request)."""
         last_row = np.cumsum(num_logits) - 1
@@ -555,7 +538,7 @@ class ModelRunner:
         assert so.grammar_bitmask is not None
         apply_grammar_bitmask(logits, rows, used, so.grammar_bitmask, so.grammar_bitmask_words)
 
-    def _propose(self, step: _StepInputs, hidden: torch.Tensor, limits: dict[str, int]) -> list[list[int]]:
+    def _propose(self, step: StepInputs, hidden: torch.Tensor, limits: dict[str, int]) -> list[list[int]]:
         proposer = self.proposer
         assert proposer is not None and self.spec_policy is not None
         drafts: list[list[int]] = [[] for _ in step.req_ids]
@@ -605,55 +588,6 @@ class ModelRunner:
             start = batch.num_tokens[row]
             batch.token_ids[row, start : start + len(draft_ids)] = draft_ids
 
-    def _prepare_inputs(self, so: SchedulerOutput, num_scheduled: dict[str, int]) -> _StepInputs:
-        """Token ids, positions, slot mapping and attention metadata for the step's `num_scheduled` (req_id ->
-        tokens), by numpy indexing."""
-        batch = self.batch
-        # Single-token queries (decodes) first: the attention backend batches them.
-        req_ids = sorted(num_scheduled, key=lambda r: num_scheduled[r] > 1)
-        states = [batch.states[r] for r in req_ids]
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        q_lens = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int64, count=len(states))
-
-        start_pos = batch.num_computed_tokens[rows]
-        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        token_req = np.repeat(np.arange(len(rows)), q_lens)  # request index of each token
-        positions = start_pos[token_req] + np.arange(num_tokens) - query_start_loc[token_req]
-        token_rows = rows[token_req]
-        block_ids = batch.block_table[token_rows, positions // self.block_size].astype(np.int64)
-        seq_lens = start_pos + q_lens
-        num_drafts = np.fromiter(
-            (len(so.scheduled_spec_decode_tokens.get(r, ())) for r in req_ids), dtype=np.int64, count=len(req_ids)
-        )
-        attn_inputs = AttentionInputs(
-            num_decodes=int(np.count_nonzero(q_lens == 1)),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_table=batch.block_table[rows],
-            slot_mapping=block_ids * self.block_size + positions % self.block_size,
-            block_size=self.block_size,
-        )
-        graph_size = self.graphs.padded_size(attn_inputs) if self.graphs is not None else None
-        attn_metadata = self.attn_backend.build_metadata(attn_inputs) if graph_size is None else None
-        return _StepInputs(
-            req_ids=req_ids,
-            states=states,
-            rows=rows,
-            input_ids=batch.token_ids[token_rows, positions],
-            positions=positions,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            # Only requests whose known tokens are now all computed produce a token (not mid-prompt chunks).
-            sample_idx=np.flatnonzero(seq_lens >= batch.num_tokens[rows] + num_drafts),
-            num_drafts=num_drafts,
-            attn_inputs=attn_inputs,
-            attn_metadata=attn_metadata,
-            graph_size=graph_size,
-            token_rows=token_rows,
-        )
-
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A numpy array as a tensor on the model's device (on the CPU, the same memory)."""
         t = torch.from_numpy(array)
@@ -691,19 +625,3 @@ def _claim_device(name: str) -> tuple[torch.device, MemorySnapshot | None]:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     return device, MemorySnapshot.take(device)
-
-
-def _ragged_arange(counts: np.ndarray) -> np.ndarray:
-    """[3, 1, 2] -> [0, 1, 2, 0, 0, 1]."""
-    total = int(counts.sum())
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.arange(total) - starts
-
-
-def _draft_matrix(batch: InputBatch, rows: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
-    """[S, K] int64: each row's scheduled drafts (stored after its known tokens), zero-padded."""
-    k = int(num_drafts.max())
-    cols = batch.num_tokens[rows][:, None] + np.arange(k)[None, :]
-    valid = np.arange(k)[None, :] < num_drafts[:, None]
-    cols = np.where(valid, cols, 0)
-    return np.where(valid, batch.token_ids[rows[:, None], cols], 0).astype(np.int64)
