@@ -10,11 +10,12 @@ exceed the limit. torch's intra-op pool, oneDNN, MKL and kvserve's C++ kernels (
 one OpenMP pool, so `torch.set_num_threads` and `OMP_NUM_THREADS` size all of them. An automatic count is a ceiling:
 at run time the engine uses fewer threads while other processes take its CPUs (kvserve/thread_adapt.py).
 
-How idle OpenMP threads wait is read by libgomp when torch loads it (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`), so
-kvserve would set a default in the environment first (DEFAULT_WAIT_ENV). It sets none: passive waiting keeps
-more throughput than spinning threads beside a busy process, but on an idle machine it made decode slower (each of
-a step's hundreds of parallel regions wakes sleeping threads; figures in docs/benchmarks.md, "Busy machines"). libgomp's own short spin stays the default, and a busy machine is met by running fewer threads than
-cores taken (thread_adapt.py), which leaves no spinning thread in another process's way; `OMP_WAIT_POLICY=PASSIVE`
+How idle OpenMP threads wait is read by libgomp when torch loads it (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`), so kvserve
+would set a default in the environment first (DEFAULT_WAIT_ENV). It sets none: passive waiting keeps more throughput
+than spinning threads beside a busy process, but on an idle machine it made decode slower (each of a step's hundreds
+of parallel regions wakes sleeping threads; figures in docs/benchmarks.md, "Busy machines"). libgomp's own short spin
+stays the default, and a busy machine is met by running fewer threads than cores taken (thread_adapt.py), which
+leaves no spinning thread in another process's way; `OMP_WAIT_POLICY=PASSIVE`
 remains an option for a fixed count (docs/benchmarks.md, "Busy machines"). Waiting variables set by the user are
 passed on as they are.
 """

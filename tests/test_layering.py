@@ -128,3 +128,22 @@ def test_core_and_connector_scheduler_sides_stay_torch_free():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_router_reaches_instances_over_http_only():
+    """kvserve/router/ imports no engine, worker, executor, model or server module: only plain shared pieces (the
+    chained block hash, the tokenizer and its chat template, the KV event types)."""
+    forbidden = (
+        "kvserve.engine",
+        "kvserve.worker",
+        "kvserve.executor",
+        "kvserve.models",
+        "kvserve.layers",
+        "kvserve.attention",
+        "kvserve.entrypoints",
+        "kvserve.kv_transfer",
+        "torch",
+    )
+    for path, names in package_imports("router").items():
+        bad = [n for n in names if n.startswith(forbidden)]
+        assert not bad, f"router/{path} imports {bad}"

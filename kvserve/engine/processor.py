@@ -8,6 +8,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from kvserve.config import ModelConfig
+from kvserve.loader.tokenizer import render_chat_prompt
 from kvserve.request import EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_output.grammar import check as check_grammar
@@ -15,27 +16,7 @@ from kvserve.structured_output.grammar import check as check_grammar
 # A prompt is text, {"prompt": text} or {"prompt_token_ids": [...]} (vLLM's TextPrompt / TokensPrompt).
 PromptType = str | dict[str, Any]
 
-
-def render_chat_prompt(
-    tokenizer: PreTrainedTokenizerBase,
-    conversation: list[dict[str, Any]],
-    add_generation_prompt: bool = True,
-    chat_template_kwargs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The model's chat template applied to one conversation, as a prompt with both text and token ids.
-
-    Raises ValueError when the template fails or yields no text: the conversation (or the kwargs) is at fault.
-    """
-    try:
-        text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
-        )
-    except Exception as e:
-        raise ValueError(f"cannot apply the chat template: {e}") from e
-    if not isinstance(text, str):
-        raise ValueError("the chat template did not produce text")
-    # The template writes every special token itself; the tokenizer must not add a BOS of its own.
-    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+__all__ = ["Processor", "PromptType", "render_chat_prompt"]
 
 
 class Processor:

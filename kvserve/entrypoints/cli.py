@@ -59,6 +59,55 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(ns: argparse.Namespace) -> int:
+    from kvserve.loader.default_model import resolve_model_path
+    from kvserve.router.app import RouterConfig, run_router
+    from kvserve.router.policies import PolicyConfig
+
+    tokenizer = None
+    if ns.policy == "cache_aware":
+        tokenizer = ns.tokenizer or resolve_model_path(ns.model)
+    config = RouterConfig(
+        instances=ns.instance,
+        policy=ns.policy,
+        tokenizer=tokenizer,
+        block_size=ns.block_size,
+        index_url=ns.index_url,
+        health_interval_s=ns.health_interval,
+        request_timeout_s=ns.request_timeout,
+        startup_wait_s=ns.startup_wait,
+        policy_config=PolicyConfig(decode_weight=ns.decode_weight),
+    )
+    run_router(config, host=ns.host, port=ns.port, log_level="debug" if ns.verbose else "info")
+    return 0
+
+
+def add_router_parser(sub) -> None:
+    from kvserve.router.policies import POLICIES
+
+    router = sub.add_parser(
+        "router",
+        help="route OpenAI requests over several kvserve instances",
+        description="An OpenAI-compatible front over `kvserve serve` instances: /v1/completions and "
+        "/v1/chat/completions (streaming passed through), /v1/models, /health, /metrics, /router/instances.",
+    )
+    router.add_argument("--instance", action="append", required=True, help="an instance's URL (repeat the flag)")
+    router.add_argument("--policy", choices=POLICIES, default="round_robin")
+    router.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    router.add_argument("--port", type=int, default=8080)
+    router.add_argument("--model", default=None, help="the instances' model (its tokenizer, for cache_aware)")
+    router.add_argument("--tokenizer", default=None, help="tokenizer folder or .gguf (default: the model's)")
+    router.add_argument("--block-size", type=int, default=16, help="the instances' KV block size")
+    router.add_argument("--index-url", default=None, help="the global prefix index, redis://host:port (cache_aware)")
+    router.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
+    router.add_argument("--request-timeout", type=float, default=600.0, help="most seconds a request may take")
+    router.add_argument("--startup-wait", type=float, default=30.0, help="seconds to wait for a first instance")
+    router.add_argument(
+        "--decode-weight", type=float, default=4.0, help="load of a decoding request, in prompt tokens to prefill"
+    )
+    router.set_defaults(func=cmd_router)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference engine")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine progress")
@@ -99,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
+    add_router_parser(sub)
 
     from kvserve.benchmarks import latency, offload, perplexity, roofline, throughput
     from kvserve.benchmarks import serve as serve_bench

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -35,3 +36,25 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     except OSError:  # another process won the race; its copy is as good as ours
         pass
     return tokenizer
+
+
+def render_chat_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The model's chat template applied to one conversation, as a prompt with both text and token ids.
+
+    Raises ValueError when the template fails or yields no text: the conversation (or the kwargs) is at fault.
+    """
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+        )
+    except Exception as e:
+        raise ValueError(f"cannot apply the chat template: {e}") from e
+    if not isinstance(text, str):
+        raise ValueError("the chat template did not produce text")
+    # The template writes every special token itself; the tokenizer must not add a BOS of its own.
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}

@@ -5,10 +5,11 @@ masking, penalties, the greedy pick; then temperature, min-p, top-k, top-p and a
 
 Random draws use the Gumbel-max trick: token = argmax(logits + G), G = -log(-log(U)), which picks token i with
 probability softmax(logits)_i. U comes from a counter-based hash of (row key, token index), not from a stateful
-generator, so it costs a few vector instructions per entry (far less than torch's Mersenne Twister per row) and a seeded request's draw depends on nothing but its key. Its key is derived from (seed, position), so its
-tokens are the same whatever else is in the batch and survive preemption and recomputation. The argmax form is
-also what makes that hold in practice: different batch compositions round the logits differently (by ~1e-6),
-and an argmax only moves if the two best perturbed values are that close, whereas an inverse-CDF draw shifts
+generator, so it costs a few vector instructions per entry (far less than torch's Mersenne Twister per row) and a
+seeded request's draw depends on nothing but its key. Its key is derived from (seed, position), so its tokens are the
+same whatever else is in the batch and survive preemption and recomputation. The argmax form is also what makes that
+hold in practice: different batch compositions round the logits differently (by ~1e-6), and an argmax only moves if
+the two best perturbed values are that close, whereas an inverse-CDF draw shifts
 whenever the truncated tail's mass does. The C++ kernel (kvserve/kernels/csrc/sampling.cpp) fuses the pass:
 `GumbelSample` picks it or the torch draw once, when the sampler is built.
 """

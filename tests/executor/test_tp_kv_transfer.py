@@ -56,9 +56,7 @@ def reference(model) -> list[list[int]]:
 
 
 def test_mp_tp2_swap_preemption(model, reference):
-    (out,), stats = run(
-        model, num_kv_blocks=12, preemption_mode="swap", swap_space="8MiB", tensor_parallel_size=2
-    )
+    (out,), stats = run(model, num_kv_blocks=12, preemption_mode="swap", swap_space="8MiB", tensor_parallel_size=2)
     assert stats["num_swapped_out"] > 0 and stats["num_swapped_in"] > 0, stats
     assert out == reference
 

@@ -159,7 +159,9 @@ class StandinWorker(KVConnectorWorker):
                 for p in pools:
                     part = p[block_id]
                     size = part.numel() * part.element_size()
-                    part.copy_(torch.frombuffer(bytearray(data[offset : offset + size]), dtype=part.dtype).view(part.shape))
+                    part.copy_(
+                        torch.frombuffer(bytearray(data[offset : offset + size]), dtype=part.dtype).view(part.shape)
+                    )
                     offset += size
             del self._in_flight[req_id]
             out.finished_loading.add(req_id)

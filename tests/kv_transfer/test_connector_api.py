@@ -4,6 +4,7 @@ request's blocks, handshake metadata, and the multi-connector's fallthrough (loc
 
 from __future__ import annotations
 
+import json
 import random
 
 import httpx
@@ -94,7 +95,9 @@ def test_ask_again_keeps_the_request_in_place_while_others_run(model_path, refer
     llm = LLM(model_path, **ENGINE, kv_transfer_config=standin(tmp_path))
     try:
         engine = llm.engine
-        engine.add_request("slow", {"prompt_token_ids": ps[0]}, greedy(extra_args={"kv_transfer_params": {"ask_again": 3}}))
+        engine.add_request(
+            "slow", {"prompt_token_ids": ps[0]}, greedy(extra_args={"kv_transfer_params": {"ask_again": 3}})
+        )
         engine.add_request("fast", {"prompt_token_ids": ps[1]}, greedy())
         first_tokens: dict[str, int] = {}
         step = 0
@@ -180,7 +183,7 @@ def test_multi_connector_falls_through_to_the_pool(model_path, reference, tmp_pa
 
 
 def test_kv_transfer_params_through_the_openai_server(model_path, tmp_path):
-    config = '{"kv_connector": "standin", "kv_connector_module_path": "%s", "store_dir": "%s"}' % (MODULE, tmp_path)
+    config = json.dumps(standin(tmp_path))
     srv = Server(model_path, "--dtype", "float32", "--max-model-len", "256", "--kv-transfer-config", config)
     try:
         body = {"model": model_path, "prompt": "Hello there, how are you today?", "max_tokens": 3, "temperature": 0}

@@ -166,6 +166,23 @@ def install_routes(app: FastAPI) -> None:
             ]
         )
 
+    @app.get("/server_info")
+    async def server_info(request: Request) -> dict:
+        """What a router needs to know of this instance (its KV block size, its KV events endpoint)."""
+        e = engine(request)
+        config = e.config
+        events = config.kv_events
+        return {
+            "model": request.app.state.served_names[0],
+            "model_path": config.model.path,
+            "block_size": config.cache.block_size,
+            "max_model_len": config.model.max_model_len,
+            "kv_events_endpoint": events.endpoint if events is not None and events.publisher == "zmq" else None,
+            "kv_connector": config.kv_transfer.kv_connector if config.kv_transfer is not None else None,
+            "kv_role": config.kv_transfer.kv_role if config.kv_transfer is not None else None,
+            "version": __version__,
+        }
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(engine(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
