@@ -18,6 +18,7 @@ install: $(PY)
 install-test: $(PY)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[test]'
+	bash scripts/fetch_system_libs.sh $(VENV)
 
 demo: install
 	$(VENV)/bin/kvserve generate "What is the capital of France?"
