@@ -53,6 +53,9 @@ class ModelConfig:
     attention_backend: str = "auto"
     # GPU only: run every step eagerly, without captured CUDA graphs for decode batches.
     enforce_eager: bool = False
+    # The weights' identity (loader/fingerprint.py): part of the KV layout id, so KV shared between instances is
+    # keyed by what computed it, not by where the model lies.
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)

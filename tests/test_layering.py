@@ -132,7 +132,7 @@ def test_core_and_connector_scheduler_sides_stay_torch_free():
 
 def test_the_router_reaches_instances_over_http_only():
     """kvserve/router/ imports no engine, worker, executor, model or server module: only plain shared pieces (the
-    chained block hash, the tokenizer and its chat template, the KV event types)."""
+    chained block hash, the tokenizer and its chat template, the KV event types, the embedded Valkey server)."""
     forbidden = (
         "kvserve.engine",
         "kvserve.worker",

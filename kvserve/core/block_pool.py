@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from kvserve.core.hashing import BlockHash
 from kvserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
+_MAX_QUEUED_EVENTS = 100_000
+
 
 class KVBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "prev_free", "next_free")
@@ -131,6 +133,13 @@ class BlockPool:
         self._events: list[KVCacheEvent] | None = [] if enable_kv_events else None
         self.block_size = block_size
 
+    def _queue(self, event: KVCacheEvent) -> None:
+        """Bounded: an engine whose events nobody drains (an offline LLM with events on) keeps the newest."""
+        assert self._events is not None
+        if len(self._events) >= _MAX_QUEUED_EVENTS:
+            del self._events[: _MAX_QUEUED_EVENTS // 2]
+        self._events.append(event)
+
     def take_events(self) -> list[KVCacheEvent]:
         """The events queued since the last call, oldest first."""
         if not self._events:
@@ -214,7 +223,7 @@ class BlockPool:
             if run and (i != run[-1] + 1):
                 first, last = run[0], run[-1] + 1
                 tokens = token_ids[first * block_size : last * block_size] if token_ids is not None else []
-                self._events.append(
+                self._queue(
                     BlockStored(
                         block_hashes=[block_hashes[j] for j in run],
                         parent_block_hash=block_hashes[first - 1] if first > 0 else None,
@@ -247,7 +256,7 @@ class BlockPool:
         self.cached.clear()
         self._children.clear()
         if self._events is not None:
-            self._events.append(AllBlocksCleared())
+            self._queue(AllBlocksCleared())
         return True
 
     def _is_orphan(self, block: KVBlock) -> bool:
@@ -266,7 +275,7 @@ class BlockPool:
         block.block_hash = block.parent_hash = None
         self.stats.num_evictions += 1
         if self._events is not None:
-            self._events.append(BlockRemoved([block_hash]))
+            self._queue(BlockRemoved([block_hash]))
         self._demote_descendants(block_hash)
 
     def _demote_descendants(self, root_hash: BlockHash) -> None:

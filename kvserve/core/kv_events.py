@@ -9,7 +9,8 @@ only on the tokens (and cache salt), so the same prefix has the same hashes on e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from kvserve.core.hashing import BlockHash
 
@@ -50,3 +51,22 @@ class KVEventBatch:
 
     ts: float  # wall-clock time of the step (seconds)
     events: list[KVCacheEvent] = field(default_factory=list)
+
+
+_TYPES = {cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlocksCleared)}
+
+
+def batch_to_wire(batch: KVEventBatch) -> dict[str, Any]:
+    """A batch as plain values for msgpack: each event a map with its "type" (the wire format of the publisher in
+    engine/kv_events_publisher.py; the router's indexer reads it back with `batch_from_wire`)."""
+    return {"ts": batch.ts, "events": [{"type": type(e).__name__, **asdict(e)} for e in batch.events]}
+
+
+def batch_from_wire(data: dict[str, Any]) -> KVEventBatch:
+    """The inverse of batch_to_wire; events of unknown types are skipped (a newer publisher)."""
+    events: list[KVCacheEvent] = []
+    for raw in data.get("events", []):
+        cls = _TYPES.get(raw.pop("type", None))
+        if cls is not None:
+            events.append(cls(**raw))
+    return KVEventBatch(float(data.get("ts", 0.0)), events)

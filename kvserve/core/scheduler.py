@@ -62,8 +62,8 @@ from kvserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
-# The longest a step with nothing else to do waits for a grammar being compiled.
-_GRAMMAR_POLL_S = 0.02
+# The longest a step with nothing else to do waits for a grammar being compiled or a connector lookup.
+_IDLE_POLL_S = 0.02
 
 
 @dataclass
@@ -230,6 +230,7 @@ class Scheduler:
         #    still compiles, or whose connector cannot say yet what it holds, are passed over and keep their place.
         compiling: list[Request] = []
         passed_over: list[Request] = []
+        asked_again = False
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.grammar is not None and not request.grammar.ready:
@@ -262,6 +263,7 @@ class Scheduler:
                     answer, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
                     if answer is None:  # ask again next step
                         passed_over.append(self.waiting.popleft())
+                        asked_again = True
                         continue
                     num_external = answer
                     load_async = load_async and num_external > 0
@@ -318,10 +320,14 @@ class Scheduler:
             budget -= num_new
 
         self.waiting.extendleft(reversed(passed_over))
-        if compiling and not num_scheduled and not self.running:
+        if asked_again and not num_scheduled and not self.running:
+            # Nothing to run but connector lookups in flight: wait a little for one rather than spin.
+            assert self.connector is not None
+            self.connector.wait_for_lookups(_IDLE_POLL_S)
+        elif compiling and not num_scheduled and not self.running:
             # Nothing to run but grammars being compiled: wait a little for one rather than spin the engine loop
             # (which would take a core from the compile). Short, so that new requests and aborts are not held up.
-            compiling[0].grammar.wait(_GRAMMAR_POLL_S)
+            compiling[0].grammar.wait(_IDLE_POLL_S)
 
         self._num_steps += 1
         if num_scheduled and self.async_scheduling:  # synchronous: the output comes before any id can be reused

@@ -22,6 +22,7 @@ from kvserve.distributed.sharding import check_head_split
 from kvserve.engine.combinations import check_engine_config
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
 from kvserve.loader.default_model import find_gguf, resolve_model_path
+from kvserve.loader.fingerprint import weights_fingerprint
 from kvserve.loader.gguf_weights import gguf_arch_config, gguf_linears_quantized
 from kvserve.platform import cpu_info, default_dtype, resolve_device
 from kvserve.threads import plan_threads
@@ -227,6 +228,7 @@ class EngineArgs:
             load_format=self.load_format,
             attention_backend=self.attention_backend,
             enforce_eager=bool(self.enforce_eager),
+            fingerprint=weights_fingerprint(model_path, self.load_format, self.seed),
         )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")

@@ -15,6 +15,7 @@ import sys
 import zmq
 
 from kvserve.config import EngineConfig
+from kvserve.engine.kv_events_publisher import make_publisher
 from kvserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -53,17 +54,21 @@ def run_engine_core(
     outputs.setsockopt(zmq.LINGER, 0)
     outputs.connect(output_addr)
     core = None
+    publisher = None
     try:
         from kvserve.engine.core import EngineCore
 
         core = EngineCore(config)
+        publisher = make_publisher(config.kv_events)
         outputs.send(encoder.encode(Ready(core.num_blocks, core.max_tokens_per_request)))
-        _busy_loop(core, inputs, outputs, parent)
+        _busy_loop(core, inputs, outputs, parent, publisher)
     except WorkerFailedError as e:
         # The frontend sees this process exit and fails every pending request; the log says why.
         logger.error("engine core stops: %s", e)
         raise SystemExit(1) from None
     finally:
+        if publisher is not None:
+            publisher.close()
         if core is not None:
             core.shutdown()
         inputs.close(linger=0)
@@ -71,7 +76,7 @@ def run_engine_core(
         ctx.term()
 
 
-def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> None:
+def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int, publisher=None) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     while True:
@@ -98,3 +103,9 @@ def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> No
         step_outputs = core.step() if core.has_unfinished_requests() else []
         if step_outputs or handled_input:
             outputs.send(encoder.encode(CoreOutputs(step_outputs, core.make_stats())))
+        # Drained every step even without a publisher ("null"): nothing piles up in the block pool.
+        batch = core.take_kv_events()
+        if publisher is not None:
+            if batch is not None:
+                publisher.publish(batch)
+            publisher.serve_replays()

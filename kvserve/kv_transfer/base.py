@@ -107,6 +107,10 @@ class KVConnectorScheduler(ABC):
         """`block_ids` are all the request's blocks; those covering tokens [request.num_computed_tokens,
         + num_external_tokens) are to be loaded (nothing when 0)."""
 
+    def wait_for_lookups(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
+        """The scheduler has nothing to run but requests this connector asked it to ask about again: block up to
+        `timeout_s` for an answer, rather than let the engine spin."""
+
     @abstractmethod
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput, requests: Mapping[str, Request]

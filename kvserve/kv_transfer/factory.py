@@ -15,12 +15,21 @@ _REGISTRY: dict[str, tuple[str, str]] = {
         "kvserve.kv_transfer.offload.scheduler:OffloadConnectorScheduler",
         "kvserve.kv_transfer.offload.worker:OffloadConnectorWorker",
     ),
+    "pool": (
+        "kvserve.kv_transfer.pool.scheduler:PoolConnectorScheduler",
+        "kvserve.kv_transfer.pool.worker:PoolConnectorWorker",
+    ),
     "multi": (
         "kvserve.kv_transfer.multi:MultiConnectorScheduler",
         "kvserve.kv_transfer.multi:MultiConnectorWorker",
     ),
 }
-_ALIASES = {"OffloadConnector": "offload", "OffloadingConnector": "offload", "MultiConnector": "multi"}
+_ALIASES = {
+    "OffloadConnector": "offload",
+    "OffloadingConnector": "offload",
+    "MultiConnector": "multi",
+    "MooncakeStoreConnector": "pool",
+}
 
 
 def register_connector(name: str, scheduler_cls: str, worker_cls: str) -> None:

@@ -70,6 +70,10 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         self._chosen[request.request_id] = best
         return answers[best]
 
+    def wait_for_lookups(self, timeout_s: float) -> None:
+        for connector in self.connectors:
+            connector.wait_for_lookups(timeout_s / len(self.connectors))
+
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         chosen = self._chosen.pop(request.request_id, 0)
         for i, connector in enumerate(self.connectors):

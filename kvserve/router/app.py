@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from kvserve.router.instances import InstanceSet
+from kvserve.router.instances import Instance, InstanceSet
 from kvserve.router.policies import PolicyConfig, RouteInput, make_policy
 from kvserve.router.prefix import PromptHasher
 from kvserve.router.proxy import Proxy, Unreachable, error_response
@@ -67,14 +67,46 @@ class Router:
         self.hasher = PromptHasher(config.tokenizer, config.block_size) if config.policy == "cache_aware" else None
         self.proxy = Proxy(client, self.instances, config.request_timeout_s)
         self.metrics = RouterMetrics()
-        self.index = None  # router/index.py, when cache_aware has an index URL
-        self.instances.on_change(lambda inst: self.metrics.healthy.labels(inst.name).set(int(inst.healthy)))
+        self.index = None  # router/index.py's reader, with cache_aware
+        self.indexer = None  # router/indexer.py, with cache_aware
+        self._valkey = None  # the embedded index server, when no index URL was given
+        self.instances.on_change(self._instance_changed)
+
+    def _instance_changed(self, inst: Instance) -> None:
+        self.metrics.healthy.labels(inst.name).set(int(inst.healthy))
+        if self.indexer is None:
+            return
+        endpoint = inst.info.get("kv_events_endpoint")
+        if inst.healthy and endpoint:
+            replay = inst.info.get("kv_events_replay_endpoint")
+            self.indexer.watch(inst.name, reachable(endpoint, inst.url), replay and reachable(replay, inst.url))
+        else:
+            self.indexer.forget(inst.name)
 
     async def start(self) -> None:
+        if self.config.policy == "cache_aware":
+            from kvserve.router.index import IndexReader, IndexWriter
+            from kvserve.router.indexer import Indexer
+
+            url = self.config.index_url
+            if url is None:
+                from kvserve.cluster.valkey import ValkeyService
+
+                self._valkey = ValkeyService()
+                url = self._valkey.url
+                logger.info("prefix index: an embedded Valkey server at %s", url)
+            self.index = IndexReader(url)
+            self.indexer = Indexer(IndexWriter(url))
         await self.instances.start(self.config.startup_wait_s)
 
     async def stop(self) -> None:
         await self.instances.stop()
+        if self.indexer is not None:
+            self.indexer.close()
+        if self.index is not None:
+            await self.index.close()
+        if self._valkey is not None:
+            self._valkey.stop()
 
     async def route_input(self, path: str, body: dict) -> RouteInput:
         if self.hasher is None:
@@ -131,6 +163,18 @@ class Router:
         ]
 
 
+def reachable(endpoint: str, instance_url: str) -> str:
+    """An instance's ZMQ endpoint as the router can reach it: a wildcard or loopback host becomes the instance's
+    own host (when that is not loopback)."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    url_host = instance_url.split("://", 1)[-1].rsplit(":", 1)[0]
+    loopback = ("127.0.0.1", "localhost")
+    if host in ("*", "0.0.0.0", *loopback) and url_host not in loopback:
+        host = url_host
+    return f"{scheme}://{host}:{port}"
+
+
 def build_router_app(config: RouterConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -179,6 +223,15 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     @app.get("/router/instances")
     async def instances(request: Request) -> JSONResponse:
         return JSONResponse(router_of(request).describe())
+
+    @app.get("/router/indexer")
+    async def indexer(request: Request) -> JSONResponse:
+        router = router_of(request)
+        if router.indexer is None:
+            return JSONResponse({})
+        from dataclasses import asdict
+
+        return JSONResponse(asdict(router.indexer.stats))
 
     return app
 

@@ -179,7 +179,8 @@ class ModelRunner:
         block's bytes mean, and nothing rank-specific: ranks of one engine agree on it."""
         config, arch = self.model_config, self.model_config.arch
         layout = (
-            f"{config.path}|{config.dtype}|{config.quantization}|{self.attn_backend.kv_layout(self.block_size)}"
+            f"{config.fingerprint or config.path}|{config.dtype}|{config.quantization}"
+            f"|{self.attn_backend.kv_layout(self.block_size)}"
             f"|kv_heads={arch.num_key_value_heads}|head_dim={arch.head_dim}|block={self.block_size}"
             f"|layers={arch.num_hidden_layers}|tp={self.tp.world_size}"
         )

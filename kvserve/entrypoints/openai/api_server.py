@@ -178,6 +178,7 @@ def install_routes(app: FastAPI) -> None:
             "block_size": config.cache.block_size,
             "max_model_len": config.model.max_model_len,
             "kv_events_endpoint": events.endpoint if events is not None and events.publisher == "zmq" else None,
+            "kv_events_replay_endpoint": events.replay_endpoint if events is not None else None,
             "kv_connector": config.kv_transfer.kv_connector if config.kv_transfer is not None else None,
             "kv_role": config.kv_transfer.kv_role if config.kv_transfer is not None else None,
             "version": __version__,

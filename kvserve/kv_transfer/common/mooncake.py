@@ -18,7 +18,13 @@ from types import ModuleType
 _LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")
 # Mooncake's own RPC timeouts default to 4-30 s; a dead peer or master must fail a load within a few seconds
 # (docs/distributed.md). Set only where the user has not.
-_DEFAULT_ENV = {"MC_RPC_TIMEOUT_MS": "2000", "MC_RPC_CONNECT_TIMEOUT_MS": "1000", "MC_TCP_PROGRESS_TIMEOUT_SEC": "3"}
+# Its glog lines are warnings and errors only (its INFO lines are per-connection chatter).
+_DEFAULT_ENV = {
+    "MC_RPC_TIMEOUT_MS": "2000",
+    "MC_RPC_CONNECT_TIMEOUT_MS": "1000",
+    "MC_TCP_PROGRESS_TIMEOUT_SEC": "3",
+    "GLOG_minloglevel": "1",
+}
 
 
 class MooncakeUnavailable(ImportError):
