@@ -108,6 +108,47 @@ def add_router_parser(sub) -> None:
     router.set_defaults(func=cmd_router)
 
 
+def cmd_cluster(ns: argparse.Namespace) -> int:
+    from kvserve.cluster.launch import ClusterConfig, run_cluster
+
+    config = ClusterConfig(
+        num_instances=ns.instances,
+        model=ns.model,
+        pool=ns.pool,
+        pool_bytes=ns.pool_bytes,
+        policy=ns.policy,
+        host=ns.host,
+        router_port=ns.port,
+        pin=ns.pin,
+        serve_args=ns.serve_args or [],
+    )
+    return run_cluster(config)
+
+
+def add_cluster_parser(sub) -> None:
+    from kvserve.router.policies import POLICIES
+
+    cluster = sub.add_parser(
+        "cluster",
+        help="start a local cluster: index, shared KV pool, N instances and the router",
+        description="Everything a multi-instance deployment has, on this machine, in one command: a Valkey "
+        "server (the global prefix index), a shared KV pool (Mooncake master + storage node, or Valkey), N "
+        "`kvserve serve` instances publishing KV events and chained to the pool, and `kvserve router`.",
+    )
+    cluster.add_argument("--instances", type=int, default=2)
+    cluster.add_argument("--model", default=None, help="every instance's model (default: the embedded one)")
+    cluster.add_argument("--pool", choices=["mooncake", "valkey", "none"], default="mooncake")
+    cluster.add_argument("--pool-bytes", default="1 GB", help="the pool's memory")
+    cluster.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    cluster.add_argument("--host", default="127.0.0.1")
+    cluster.add_argument("--port", type=int, default=8080, help="the router's port")
+    cluster.add_argument(
+        "--pin", action=argparse.BooleanOptionalAction, default=True, help="each instance on its own CPUs"
+    )
+    cluster.add_argument("--serve-args", nargs=argparse.REMAINDER, help="more `kvserve serve` flags, last")
+    cluster.set_defaults(func=cmd_cluster)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference engine")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine progress")
@@ -149,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
     add_router_parser(sub)
+    add_cluster_parser(sub)
 
     from kvserve.benchmarks import latency, offload, perplexity, roofline, throughput
     from kvserve.benchmarks import serve as serve_bench
