@@ -45,7 +45,10 @@ def kernel_isa() -> str:
 
 
 def library_name(isa: str) -> str:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))).hexdigest()[:12]
+    # The sources' place is part of the name: torch rebuilds a library whose build file names other paths, so two
+    # checkouts of the same sources (git worktrees) would otherwise rebuild each other's build on every load.
+    sources = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))
+    digest = hashlib.sha256(str(_CSRC.resolve()).encode() + b"\0" + sources).hexdigest()[:12]
     return f"kvserve_cpu_kernels_{digest}_{isa}"
 
 
