@@ -39,6 +39,7 @@ class ClusterConfig:
     pin: bool = True  # each instance on its own CPUs, when the machine has at least one per instance
     serve_args: list[str] = field(default_factory=list)  # more `kvserve serve` flags for every instance
     startup_timeout_s: float = 600.0
+    router: bool = True
 
 
 class LocalCluster:
@@ -57,7 +58,8 @@ class LocalCluster:
             self._start_index()
             self._start_pool()
             self._start_instances()
-            self._start_router()
+            if self.config.router:
+                self._start_router()
         except BaseException:
             self.stop()
             raise

@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(sub)
     add_cluster_parser(sub)
 
-    from kvserve.benchmarks import latency, offload, perplexity, roofline, throughput
+    from kvserve.benchmarks import latency, offload, perplexity, roofline, sharing, throughput
     from kvserve.benchmarks import serve as serve_bench
 
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, serving load, rooflines")
@@ -203,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     latency.add_parser(bench_sub)
     perplexity.add_parser(bench_sub)
     offload.add_parser(bench_sub)
+    sharing.add_parsers(bench_sub)
     return parser
 
 
