@@ -75,3 +75,41 @@ def test_requests_follow_their_cached_prefix_and_survive_the_index_dying(model_p
         a.stop()
         b.stop()
         index.stop()
+
+
+def test_round_robin_over_a_shared_pool_matches_one_instance(model_path):
+    """Through the router, each prompt computed once: the other instance loads it from the pool (Mooncake), a
+    prompt sharing part of the prefix loads that part, and repeats hit the instance's own cache; outputs equal a
+    single instance's (fp32)."""
+    from kvserve.cluster.mooncake import MooncakeMaster, MooncakeStorageNode
+    from kvserve.kv_transfer.common import mooncake
+
+    if not mooncake.available():
+        pytest.skip("Mooncake is not installed")
+    master = MooncakeMaster()
+    node = MooncakeStorageNode(master.address, segment="64 MB")
+    pool = f'{{"kv_connector": "pool", "store": "mooncake", "master": "{master.address}", "staging_bytes": "8MiB"}}'
+    a = Server(model_path, *ARGS, "--kv-transfer-config", pool)
+    b = Server(model_path, *ARGS, "--kv-transfer-config", pool)
+    single = Server(model_path, *ARGS)
+    router = RouterProc([a.url, b.url], "--policy", "round_robin")
+    try:
+        base = tokens(20, 128)
+        prompts = [base + [11], base + [11], base + [11], base[:64] + tokens(21, 50)]
+        want = [complete(single.url, model_path, p) for p in prompts]
+        got = []
+        for p in prompts:
+            got.append(complete(router.url, model_path, p))
+            time.sleep(0.5)  # the write-through saves of one request land before the next looks
+        assert got == want
+        loaded = [s.metric("kvserve:kv_transfer", stat="loaded_blocks") for s in (a, b)]
+        local = [hits(s) for s in (a, b)]
+        # a computed base (turn 1); b loaded its 8 blocks (turn 2); a hit its own cache (turn 3); b's partial
+        # prompt hit the 4 shared blocks it had loaded (turn 4).
+        assert loaded == [0.0, 8.0] and local == [128.0, 64.0], (loaded, local)
+    finally:
+        router.stop()
+        for s in (a, b, single):
+            s.stop()
+        node.stop()
+        master.stop()
