@@ -36,6 +36,7 @@ from kvserve.attention.selector import get_attn_backend
 from kvserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.spec_decode import SpecDecodePolicy
+from kvserve.device_copy import to_device
 from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.distributed.sharding import head_slice
 from kvserve.kv_transfer.base import KVConnectorInfo
@@ -357,7 +358,7 @@ class ModelRunner:
                 ends = step.query_start_loc[1:][step.sample_idx]
                 # The last k + 1 query tokens of each sampling request: its drafts' positions and the bonus.
                 logits_idx = np.repeat(ends - num_logits, num_logits) + _ragged_arange(num_logits)
-                logits = self.model.compute_logits(hidden[self._to_device(logits_idx)])
+                logits = self.model.compute_logits(self._rows(hidden, logits_idx))
             with timer.phase("sample"):
                 if so.grammar_bitmask is not None:
                     self._apply_grammar(so, step, num_logits, logits)
@@ -397,7 +398,7 @@ class ModelRunner:
         if len(step.sample_idx):
             with timer.phase("logits"):
                 last = step.query_start_loc[1:][step.sample_idx] - 1
-                logits = self.model.compute_logits(hidden[self._to_device(last)])
+                logits = self.model.compute_logits(self._rows(hidden, last))
         with timer.phase("sample"):
             # Before this step's sampling inputs: the previous step's tokens count in its penalties and seeds.
             previous = self._finish_in_flight()
@@ -639,9 +640,16 @@ class ModelRunner:
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A numpy array as a tensor on the model's device (on the CPU, the same memory)."""
-        t = torch.from_numpy(array)
-        return t if not self.on_gpu else t.to(self.device, non_blocking=True)
+        """A numpy array as a tensor on the model's device (on the CPU, the same memory), without waiting for the
+        device (staged through pinned memory: device_copy.py)."""
+        return to_device(array, self.device)
+
+    def _rows(self, hidden: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+        """hidden[idx]; a plain slice when idx is 0..n-1 (decode steps: no index copy, no gather)."""
+        n = len(idx)
+        if n and int(idx[-1]) == n - 1 and int(idx[0]) == 0 and bool((np.diff(idx) == 1).all()):
+            return hidden[:n]
+        return hidden[self._to_device(idx)]
 
     @staticmethod
     def _collect_logprobs(
