@@ -78,9 +78,6 @@ class EngineCore:
         request = Request(core_req, self.config.cache.block_size)
         constraint = core_req.sampling_params.structured_outputs
         if constraint is not None:
-            if self.async_scheduling:
-                # Step N+1's mask needs step N's token, which async scheduling does not wait for.
-                raise ValueError("structured outputs are not supported with async scheduling")
             request.grammar = self.structured_output.new_grammar(constraint, core_req.eos_token_ids)
         self.scheduler.add_request(request)
 
@@ -99,13 +96,29 @@ class EngineCore:
                 self.executor.collective_rpc("set_num_threads", (num_threads,))
         timer = self.timer
         timer.steps += 1
+        drained: list[EngineCoreOutput] = []
+        synchronous = not self.async_scheduling
+        if not synchronous and self.scheduler.has_structured_output_requests():
+            # A constrained request's next mask needs its last token: finish the step in flight, then run this
+            # step synchronously (async steps resume once no constrained request is left).
+            drained, synchronous = self._drain_in_flight(), True
         with timer.phase("schedule"):
             scheduler_output = self.scheduler.schedule()
-        if self.async_scheduling:
+        if not synchronous:
             return self._step_async(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         with timer.phase("update"):
-            return self.scheduler.update_from_output(scheduler_output, runner_output)
+            return drained + self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _drain_in_flight(self) -> list[EngineCoreOutput]:
+        """Async scheduling: the outputs of the step in flight, launching nothing after it."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is None:
+            return []
+        runner_output = self.executor.execute_model_async(SchedulerOutput())
+        assert runner_output is not None, "the runner lost the step in flight"
+        with self.timer.phase("update"):
+            return self.scheduler.update_from_output(previous, runner_output)
 
     def _step_async(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         previous, self._in_flight = self._in_flight, None if scheduler_output.is_empty else scheduler_output
