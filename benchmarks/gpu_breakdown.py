@@ -330,8 +330,8 @@ def stage_breakdown(
 
 def attention_variants(runner, step: DecodeStep, configs, iters: int, device: str, log) -> dict:
     """One layer's attention over `step`'s decode batch: the prefill kernel (the decode path before), then the
-    segment kernel in each config, one program per work item (eager steps), and for the default config also
-    the fixed grids of a captured graph (programs looping over the items)."""
+    segment kernel in each config (segments per program by the batch-size rule), and for the default config
+    each program running 1, 2 or all of a request's segments."""
     from kvserve.attention.triton_decode import DecodeConfig
 
     backend = runner.attn_backend
@@ -344,17 +344,17 @@ def attention_variants(runner, step: DecodeStep, configs, iters: int, device: st
     default = backend.decode_config
     variants: list[tuple[str, DecodeConfig | None, int | None]] = [("prefill kernel (before)", None, None)]
     variants += [(f"seg {c.segment}/tile {c.tile_n}/w{c.num_warps}/s{c.num_stages}", c, None) for c in configs]
-    for mult in (0.5, 1, 2):
-        programs = max(1, int(backend.graph_decode_programs * mult))
-        variants.append((f"default, graph grid {programs}/head", default, programs))
+    for per_program in (1, 2, 64):
+        variants.append((f"default, {per_program} segments per program", default, per_program))
     rows: list[dict] = []
-    for name, config, programs in variants:
+    for name, config, programs in variants:  # programs: segments per program (None: the rule's)
         backend.segment_decode = config is not None
         if config is not None:
             backend.decode_config = config
         try:
             md = backend.build_metadata(step.inputs)
-            md.decode_programs = programs
+            if programs is not None:
+                md.segs_per_program = min(programs, max(md.max_segments, 1))
 
             def call(md=md) -> None:
                 backend.forward(q, kv_new, kv_new, layer_kv, md, dim**-0.5)

@@ -6,7 +6,7 @@ whose result for a row does not depend on the batch; the other rows (prefill chu
 through triton_kernels.paged_attention. A mixed step launches both.
 
 Per step, the host turns the runner's numpy description of the batch into a handful of int32 arrays (query
-offsets, lengths, block table, slots, the prefill kernel's programs, the decode kernel's work items), packs them
+offsets, lengths, block table, slots, the prefill kernel's programs, the decode rows' first partial slots), packs them
 into one buffer, each part starting on a 16-byte boundary (Triton compiles a kernel variant per pointer
 alignment: unaligned views would make new variants, each a compile stall, as batch shapes vary), and copies it to
 the device once. For CUDA graphs of decode batches the backend also keeps persistent buffers
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
-from kvserve.attention.triton_decode import DecodeConfig, decode_attention, decode_work
+from kvserve.attention.triton_decode import DecodeConfig, decode_attention, first_segments, segments_per_program
 from kvserve.attention.triton_kernels import block_m_for, num_splits_for, paged_attention, write_kv
 from kvserve.device_copy import to_device
 from kvserve.utils import cdiv
@@ -45,13 +45,12 @@ class TritonAttentionMetadata:
     prog_qstart: torch.Tensor  # [P] int32, the program's first query token within its request
     block_m: int  # rows per prefill-kernel program (query tokens x GQA group)
     num_splits: int  # the prefill kernel's split-K factor (1: none)
-    # The decode rows (the first num_decodes requests) and the segment kernel's work items (triton_decode.py).
+    # The decode rows (the first num_decodes requests), for the segment kernel (triton_decode.py).
     num_decodes: int = 0
-    work_req: torch.Tensor | None = None  # [W_cap] int32
-    work_seg: torch.Tensor | None = None  # [W_cap] int32
-    first_item: torch.Tensor | None = None  # [num_decodes] int32
-    num_work: torch.Tensor | None = None  # [1] int32
-    decode_programs: int | None = None  # programs per KV head (None: one per work item)
+    first_seg: torch.Tensor | None = None  # [num_decodes] int32, each row's first partial slot
+    num_slots: int = 0  # partial slots (>= the step's segments)
+    max_segments: int = 0  # segments of the longest context the launch allows for
+    segs_per_program: int = 1
 
 
 @dataclass
@@ -65,17 +64,14 @@ class DecodeGraphBuffers:
 
     max_reqs: int
     width: int  # block table columns (max_model_len / block_size)
-    max_work: int  # the most decode work items a step can have (W_cap)
+    max_slots: int  # the most segments a decode step can have (partial slots)
     offsets: dict[str, int]  # where each part starts in `packed` (int32 elements, 16-byte aligned)
     staging: torch.Tensor  # [size] int32, host
     packed: torch.Tensor  # the same on the device
     seq_lens: torch.Tensor  # [max_reqs] int32 view of packed
     slot_mapping: torch.Tensor  # [max_reqs] int32 view of packed
     block_table: torch.Tensor  # [max_reqs, width] int32 view of packed
-    first_item: torch.Tensor  # [max_reqs] int32 view of packed
-    num_work: torch.Tensor  # [1] int32 view of packed
-    work_req: torch.Tensor  # [max_work] int32 view of packed
-    work_seg: torch.Tensor  # [max_work] int32 view of packed
+    first_seg: torch.Tensor  # [max_reqs] int32 view of packed
     query_start_loc: torch.Tensor  # [max_reqs + 1] int32: 0, 1, 2, ...
     prog_req: torch.Tensor  # [0] int32: no prefill-kernel programs
     prog_qstart: torch.Tensor  # [0] int32
@@ -109,8 +105,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.target_programs = target_programs
         # The segment kernel for decode rows. In the interpreter, short segments, so that tests cross them.
         self.decode_config = decode_config or (DecodeConfig() if on_gpu else DecodeConfig(segment=32, tile_n=16))
-        # Programs per KV head of a captured decode graph (they loop over the step's work items): ~8 per SM.
-        self.graph_decode_programs = max(1, 8 * num_sms // num_kv_heads)
+        # Programs the segment kernel aims for before a program runs several segments: ~4 per SM.
+        self.decode_target_programs = 4 * num_sms
         # False: decode rows go through the prefill kernel as before the segment kernel (benchmarks compare).
         self.segment_decode = True
 
@@ -145,17 +141,18 @@ class TritonAttentionBackend(AttentionBackend):
         if len(rest) and num_decodes == 0 and max_q <= block_q:
             rest_len = int(seq_lens[num_decodes:].max())
             num_splits = num_splits_for(len(rest) * self.num_kv_heads, rest_len, self.tile_n, self.target_programs)
-        work_req, work_seg, first_item = decode_work(seq_lens[:num_decodes], self.decode_config.segment)
+        seg = self.decode_config.segment
+        decode_lens = seq_lens[:num_decodes]
+        first_seg = first_segments(decode_lens, seg)
+        num_slots = int(-(-decode_lens // seg).sum()) if num_decodes else 0
+        max_segments = cdiv(int(decode_lens.max()), seg) if num_decodes else 0
         parts = {
             "qsl": qsl,
             "seq_lens": seq_lens,
             "prog_req": prog_req,
             "prog_qstart": prog_qstart,
             "slots": inputs.slot_mapping,
-            "work_req": work_req,
-            "work_seg": work_seg,
-            "first_item": first_item,
-            "num_work": np.array([len(work_req)]),
+            "first_seg": first_seg,
             "block_table": inputs.block_table[:, :width],
         }
         offsets, size = _aligned_offsets({k: np.size(v) for k, v in parts.items()})
@@ -178,10 +175,12 @@ class TritonAttentionBackend(AttentionBackend):
             block_m=block_m,
             num_splits=num_splits,
             num_decodes=num_decodes,
-            work_req=view("work_req"),
-            work_seg=view("work_seg"),
-            first_item=view("first_item"),
-            num_work=view("num_work"),
+            first_seg=view("first_seg"),
+            num_slots=num_slots,
+            max_segments=max_segments,
+            segs_per_program=segments_per_program(
+                num_decodes, max_segments, self.num_kv_heads, self.decode_target_programs
+            ),
         )
 
     def warmup(self, kv_cache: KVCache) -> None:
@@ -222,8 +221,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = metadata.num_decodes
         if nd:
-            assert metadata.work_req is not None and metadata.work_seg is not None
-            assert metadata.first_item is not None and metadata.num_work is not None
+            assert metadata.first_seg is not None
             decode_attention(
                 q[:nd],
                 key_cache,
@@ -231,13 +229,12 @@ class TritonAttentionBackend(AttentionBackend):
                 out[:nd],
                 metadata.block_table[:nd],
                 metadata.seq_lens[:nd],
-                metadata.work_req,
-                metadata.work_seg,
-                metadata.first_item,
-                metadata.num_work,
+                metadata.first_seg,
+                metadata.num_slots,
+                metadata.max_segments,
+                metadata.segs_per_program,
                 scale,
                 self.decode_config,
-                metadata.decode_programs,
             )
         paged_attention(
             q,
@@ -263,20 +260,17 @@ class TritonAttentionBackend(AttentionBackend):
         self, max_reqs: int, width: int, block_size: int, num_kv_blocks: int | None = None
     ) -> DecodeGraphBuffers:
         """Buffers for decode batches of up to `max_reqs` requests of up to `width` blocks of `block_size` each.
-        The work-item arrays hold the most a step can need: every request at full length, or the whole pool of
-        `num_kv_blocks` (when given) spread over the requests (each request's last segment may be partial),
-        whichever is less."""
+        The decode kernel's partial slots are sized for the most segments a step can have: every request at full
+        length, or the whole pool of `num_kv_blocks` (when given) spread over the requests (each request's last
+        segment may be partial), whichever is less."""
         seg = self.decode_config.segment
-        max_work = max_reqs * cdiv(width * block_size, seg)
+        max_slots = max_reqs * cdiv(width * block_size, seg)
         if num_kv_blocks is not None:
-            max_work = min(max_work, max_reqs + num_kv_blocks * block_size // seg)
+            max_slots = min(max_slots, max_reqs + num_kv_blocks * block_size // seg + 1)
         sizes = {
             "seq_lens": max_reqs,
             "slots": max_reqs,
-            "first_item": max_reqs,
-            "num_work": 1,
-            "work_req": max_work,
-            "work_seg": max_work,
+            "first_seg": max_reqs,
             "block_table": max_reqs * width,
         }
         offsets, size = _aligned_offsets(sizes)
@@ -291,17 +285,14 @@ class TritonAttentionBackend(AttentionBackend):
         return DecodeGraphBuffers(
             max_reqs=max_reqs,
             width=width,
-            max_work=max_work,
+            max_slots=max_slots,
             offsets=offsets,
             staging=staging,
             packed=packed,
             seq_lens=view("seq_lens"),
             slot_mapping=view("slots"),
             block_table=view("block_table").view(max_reqs, width),
-            first_item=view("first_item"),
-            num_work=view("num_work"),
-            work_req=view("work_req"),
-            work_seg=view("work_seg"),
+            first_seg=view("first_seg"),
             query_start_loc=steps,
             prog_req=steps[:0],
             prog_qstart=steps[:0],
@@ -309,9 +300,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def decode_graph_metadata(self, buffers: DecodeGraphBuffers, num_reqs: int, max_model_len: int):
         """Metadata over the first `num_reqs` rows of the buffers, fixed for every replay of that batch size: the
-        launch shapes cannot depend on a step's lengths, so the segment kernel runs a fixed number of programs
-        that loop over the step's work items (their count is read from the buffers)."""
-        max_work = min(buffers.max_work, num_reqs * cdiv(max_model_len, self.decode_config.segment))
+        launch shapes cannot depend on a step's lengths, so the segment kernel's grid is sized for the longest
+        context allowed (programs past a request's last segment return at once)."""
+        max_segments = cdiv(max_model_len, self.decode_config.segment)
         return TritonAttentionMetadata(
             query_start_loc=buffers.query_start_loc[: num_reqs + 1],
             seq_lens=buffers.seq_lens[:num_reqs],
@@ -322,16 +313,17 @@ class TritonAttentionBackend(AttentionBackend):
             block_m=block_m_for(self.group, 1),
             num_splits=1,
             num_decodes=num_reqs,
-            work_req=buffers.work_req[:max_work],
-            work_seg=buffers.work_seg[:max_work],
-            first_item=buffers.first_item[:num_reqs],
-            num_work=buffers.num_work,
-            decode_programs=min(self.graph_decode_programs, max_work),
+            first_seg=buffers.first_seg[:num_reqs],
+            num_slots=min(buffers.max_slots, num_reqs * max_segments),
+            max_segments=max_segments,
+            segs_per_program=segments_per_program(
+                num_reqs, max_segments, self.num_kv_heads, self.decode_target_programs
+            ),
         )
 
     def fill_decode_buffers(self, buffers: DecodeGraphBuffers, inputs: AttentionInputs, num_padded: int) -> None:
         """Write a decode-only step (every request one query token) into the buffers; rows from the step's
-        requests up to `num_padded` become padding: no keys (seq_len 0, so no work items and output 0) and no KV
+        requests up to `num_padded` become padding: no keys (seq_len 0, so no segment and output 0) and no KV
         write."""
         num_reqs = len(inputs.seq_lens)
         w, off = buffers.width, buffers.offsets
@@ -345,19 +337,15 @@ class TritonAttentionBackend(AttentionBackend):
         table = host[off["block_table"] : off["block_table"] + buffers.max_reqs * w].reshape(buffers.max_reqs, w)
         cols = min(w, inputs.block_table.shape[1])
         table[:num_reqs, :cols] = inputs.block_table[:, :cols]
-        work_req, work_seg, first_item = decode_work(inputs.seq_lens, self.decode_config.segment)
-        num_work = len(work_req)
-        assert num_work <= buffers.max_work, f"{num_work} decode work items > {buffers.max_work}"
-        host[off["work_req"] : off["work_req"] + num_work] = work_req
-        host[off["work_seg"] : off["work_seg"] + num_work] = work_seg
-        first = host[off["first_item"] :]
-        first[:num_reqs] = first_item
-        first[num_reqs:num_padded] = num_work  # padding rows: no items (never read)
-        host[off["num_work"]] = num_work
+        seg = self.decode_config.segment
+        num_segs = int(-(-np.asarray(inputs.seq_lens) // seg).sum())
+        assert num_segs <= buffers.max_slots, f"{num_segs} decode segments > {buffers.max_slots} slots"
+        first = host[off["first_seg"] :]
+        first[:num_reqs] = first_segments(inputs.seq_lens, seg)
+        first[num_reqs:num_padded] = num_segs  # padding rows: no segment (never read)
         # Only the rows in use travel (the rows past num_padded are never read by this batch size's graph).
-        ranges = [(off[k], off[k] + num_padded) for k in ("seq_lens", "slots", "first_item")]
-        ranges += [(off["num_work"], off["num_work"] + 1), (off["block_table"], off["block_table"] + num_padded * w)]
-        ranges += [(off[k], off[k] + num_work) for k in ("work_req", "work_seg")]
+        ranges = [(off[k], off[k] + num_padded) for k in ("seq_lens", "slots", "first_seg")]
+        ranges.append((off["block_table"], off["block_table"] + num_padded * w))
         for lo, hi in ranges:
             if hi > lo:
                 buffers.packed[lo:hi].copy_(buffers.staging[lo:hi], non_blocking=True)

@@ -1,22 +1,25 @@
 """Decode attention (one query token per request) over the paged KV cache, split into fixed key segments.
 
 Each request's keys are cut into segments of `segment` keys at fixed positions (0, segment, 2 * segment, ...).
-The host lists the step's work items, one per (request, segment) (`decode_work`); a kernel program takes work
-items for one KV head, and for each writes an unnormalised partial output with its running max and sum; then
-`_combine_segments_kernel` merges each request's segments in segment order. The split points depend on key
-positions only, never on the batch (its size, the other requests' lengths, the GPU), and a work item's
-arithmetic does not depend on which program runs it: a row's result is the same bits whatever batch it runs in,
-eagerly or in a CUDA graph of any padded size (batch invariance, issue 32). The prefill kernel
-(triton_kernels.paged_attention) sums in another order, so decode rows always come here, in decode-only and in
-mixed steps.
+For every segment the kernel computes an unnormalised partial output with its running max and sum, from a fresh
+start at the segment's first key; `_combine_segments_kernel` then merges a request's segments in segment order.
+The split points depend on key positions only, never on the batch (its size, the other requests' lengths, the
+GPU), so a row's result is the same bits whatever batch it runs in, eagerly or in a CUDA graph of any padded
+size (batch invariance, issue 32). The prefill kernel (triton_kernels.paged_attention) sums in another order, so
+decode rows always come here, in decode-only and in mixed steps.
 
-Inside a work item, the rows of the tl.dot are the GQA group's query heads (padded to 16, the smallest dot), so
+A program takes one request, one KV head and a run of up to `segs_per_program` consecutive segments, in one loop
+over their key tiles (a long loop keeps the loads pipelined; each segment's partial is stored, and the running
+state reset, as the loop crosses the segment's end). Which program computes a segment changes no bit of it, so
+the run length is chosen per launch from the batch size alone (`segments_per_program`): a large batch gives each
+request one program (requests x KV heads programs already fill the GPU), a small one splits long contexts over
+several. The grid, (requests x programs per request, KV heads), depends on the batch size and the longest context
+allowed, not on the lengths: a captured graph serves any step, and programs past a request's last segment return
+at once.
+
+Inside a program, the rows of the tl.dot are the GQA group's query heads (padded to 16, the smallest dot), so
 every K/V tile is loaded once for the whole group; each key's head slice (head_dim contiguous elements) is one
 wide load, TILE_N keys at a time through the block table.
-
-The grid is fixed by the caller (programs loop over the work items, stride the grid size): an eager step launches
-one program per item, a captured graph a fixed number that serves any step (the item count is read from device
-memory), so the launch does not depend on the lengths.
 
 Logits are in the log2 domain (scale * log2(e)) so that the softmax uses exp2. Without a GPU the kernels run in
 Triton's interpreter (TRITON_INTERPRET=1 before this module is imported).
@@ -42,33 +45,40 @@ class DecodeConfig:
     segment: int = 256  # keys per segment
     tile_n: int = 64  # keys per inner-loop tile
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
 
 
-def decode_work(seq_lens: np.ndarray, segment: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The work items of a decode batch: (request, segment) of each item, requests in order and each request's
-    segments in order, and each request's first item. A request of length 0 (padding) has no item.
-    [R] lengths -> work_req [W], work_seg [W], first_item [R] (all int32)."""
+def first_segments(seq_lens: np.ndarray, segment: int) -> np.ndarray:
+    """Each request's first slot in the partial buffers: its segments are stored in order, request after request.
+    [R] lengths -> [R] int32 (a request of length 0, padding, has no segment)."""
     segs = -(-np.asarray(seq_lens, dtype=np.int64) // segment)
-    first = np.cumsum(segs) - segs
-    work_req = np.repeat(np.arange(len(segs)), segs)
-    work_seg = np.arange(int(segs.sum())) - np.repeat(first, segs)
-    return work_req.astype(np.int32), work_seg.astype(np.int32), first.astype(np.int32)
+    return (np.cumsum(segs) - segs).astype(np.int32)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+def segments_per_program(num_reqs: int, max_segments: int, num_kv_heads: int, target_programs: int) -> int:
+    """Consecutive segments one program runs: the most (doubling from 1) that still leave `target_programs`
+    programs in all, so that a large batch walks each context in one loop and a small one splits it. Depends on
+    the batch size and the longest context allowed, never on the lengths."""
+    per_program = 1
+    while per_program < max_segments:
+        programs = num_reqs * num_kv_heads * triton.cdiv(max_segments, 2 * per_program)
+        if programs < target_programs:
+            break
+        per_program *= 2
+    return min(per_program, max_segments)
+
+
+@triton.jit(do_not_specialize=["stride_bt", "segs_per_program", "programs_per_req"])
 def _decode_segments_kernel(
     q_ptr,  # [R, H, D] (row r: request r's query token), rows of any stride
     key_cache_ptr,  # [N, B, Hkv, D]
     value_cache_ptr,
-    part_ptr,  # [W_cap, H, DIM_PAD] fp32 partial output of each work item
-    max_ptr,  # [W_cap, H] fp32 running max (log2 domain)
-    sum_ptr,  # [W_cap, H] fp32 softmax denominator
+    part_ptr,  # [S_cap, H, DIM_PAD] fp32 partial output of each segment
+    max_ptr,  # [S_cap, H] fp32 running max (log2 domain)
+    sum_ptr,  # [S_cap, H] fp32 softmax denominator
     block_table_ptr,  # [R, W] int32
-    seq_lens_ptr,  # [R] int32 keys including this step's
-    work_req_ptr,  # [W_cap] int32
-    work_seg_ptr,  # [W_cap] int32
-    num_work_ptr,  # [1] int32: items this step
+    seq_lens_ptr,  # [R] int32 keys including this step's; 0 = padding row
+    first_seg_ptr,  # [R] int32 each request's first partial slot
     scale_log2,
     stride_qt,
     stride_qh,
@@ -76,6 +86,8 @@ def _decode_segments_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    segs_per_program,
+    programs_per_req,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -86,34 +98,37 @@ def _decode_segments_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
+    pid = tl.program_id(0)
+    req = pid // programs_per_req
     kv_head = tl.program_id(1)
-    num_heads = tl.num_programs(1) * GROUP
-    rows = tl.arange(0, GROUP_PAD)
-    head = kv_head * GROUP + rows
-    row_valid = rows < GROUP
-    dims = tl.arange(0, DIM_PAD)
-    dim_valid = dims < HEAD_DIM
-    offs_n = tl.arange(0, TILE_N)
-    head_off = kv_head * stride_ch
-    num_work = tl.load(num_work_ptr)
-    for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
-        req = tl.load(work_req_ptr + w).to(tl.int64)
-        seg_start = tl.load(work_seg_ptr + w) * (SEG_TILES * TILE_N)
-        seq_len = tl.load(seq_lens_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req)
+    # This program's key tiles: those of its run of segments that the request has.
+    tile_lo = (pid % programs_per_req) * segs_per_program * SEG_TILES
+    tile_hi = tl.minimum(tile_lo + segs_per_program * SEG_TILES, tl.cdiv(seq_len, TILE_N))
+    if tile_lo < tile_hi:
+        num_heads = tl.num_programs(1) * GROUP
+        rows = tl.arange(0, GROUP_PAD)
+        head = kv_head * GROUP + rows
+        row_valid = rows < GROUP
+        dims = tl.arange(0, DIM_PAD)
+        dim_valid = dims < HEAD_DIM
+        offs_n = tl.arange(0, TILE_N)
+        req64 = req.to(tl.int64)
         q = tl.load(
-            q_ptr + req * stride_qt + head[:, None] * stride_qh + dims[None, :],
+            q_ptr + req64 * stride_qt + head[:, None] * stride_qh + dims[None, :],
             mask=row_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )  # [GROUP_PAD, DIM_PAD]
         if UPCAST:
             q = q.to(tl.float32)
+        table_row = block_table_ptr + req64 * stride_bt
+        head_off = kv_head * stride_ch
+        stat_base = tl.load(first_seg_ptr + req).to(tl.int64) * num_heads + head  # [GROUP_PAD]
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-        table_row = block_table_ptr + req * stride_bt
-        num_tiles = tl.minimum(tl.cdiv(seq_len - seg_start, TILE_N), SEG_TILES)
-        for t in range(0, num_tiles):
-            pos = seg_start + t * TILE_N + offs_n
+        for t in range(tile_lo, tile_hi):
+            pos = t * TILE_N + offs_n
             key_valid = pos < seq_len
             block = tl.load(table_row + pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
             kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off  # [TILE_N]
@@ -131,54 +146,61 @@ def _decode_segments_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
-        stat = head.to(tl.int64) + w * num_heads  # [GROUP_PAD]
-        tl.store(part_ptr + stat[:, None] * DIM_PAD + dims[None, :], acc, mask=row_valid[:, None])
-        tl.store(max_ptr + stat, m_i, mask=row_valid)
-        tl.store(sum_ptr + stat, l_i, mask=row_valid)
+            # At a segment's last tile: store its partial and start the next one afresh (masked, not branched, so
+            # the loop stays one straight body for the compiler to pipeline).
+            seg_end = ((t + 1) % SEG_TILES == 0) | (t + 1 == tile_hi)
+            stat = stat_base + (t // SEG_TILES) * num_heads
+            store = row_valid & seg_end
+            tl.store(part_ptr + stat[:, None] * DIM_PAD + dims[None, :], acc, mask=store[:, None])
+            tl.store(max_ptr + stat, m_i, mask=store)
+            tl.store(sum_ptr + stat, l_i, mask=store)
+            acc = tl.where(seg_end, 0.0, acc)
+            l_i = tl.where(seg_end, 0.0, l_i)
+            m_i = tl.where(seg_end, float("-inf"), m_i)
 
 
 @triton.jit
 def _combine_segments_kernel(
     out_ptr,  # [R, H, D]
-    part_ptr,  # [W_cap, H, DIM_PAD] fp32
-    max_ptr,  # [W_cap, H] fp32
+    part_ptr,  # [S_cap, H, DIM_PAD] fp32
+    max_ptr,  # [S_cap, H] fp32
     sum_ptr,
     seq_lens_ptr,  # [R] int32
-    first_item_ptr,  # [R] int32
+    first_seg_ptr,  # [R] int32
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     SEG_KEYS: tl.constexpr,
-    SEG_CHUNK: tl.constexpr,  # segments merged per pass (a power of 2)
 ):
+    # One program per request, all its heads at once: its segments merged in order.
     req = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     num_segs = tl.cdiv(tl.load(seq_lens_ptr + req), SEG_KEYS)
-    first = tl.load(first_item_ptr + req).to(tl.int64)
+    first = tl.load(first_seg_ptr + req).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    head_valid = heads < NUM_HEADS
     dims = tl.arange(0, DIM_PAD)
-    offs = tl.arange(0, SEG_CHUNK)
-    # Two passes over the segments, in order: the overall max, then the weighted sums.
-    m_max = float("-inf")
-    for c in range(0, num_segs, SEG_CHUNK):
-        seg_valid = c + offs < num_segs
-        m = tl.load(max_ptr + (first + c + offs) * NUM_HEADS + head, mask=seg_valid, other=float("-inf"))
-        m_max = tl.maximum(m_max, tl.max(m, 0))
-    denom = 0.0
-    acc = tl.zeros([DIM_PAD], tl.float32)
-    for c in range(0, num_segs, SEG_CHUNK):
-        seg_valid = c + offs < num_segs
-        stat = (first + c + offs) * NUM_HEADS + head
-        m = tl.load(max_ptr + stat, mask=seg_valid, other=float("-inf"))
-        weight = tl.where(seg_valid, tl.exp2(m - m_max), 0.0)
-        denom += tl.sum(weight * tl.load(sum_ptr + stat, mask=seg_valid, other=0.0), 0)
-        part = tl.load(part_ptr + stat[:, None] * DIM_PAD + dims[None, :], mask=seg_valid[:, None], other=0.0)
-        acc += tl.sum(part * weight[:, None], 0)
-    # A padding row (no keys, no items) gets 0 rather than 0 / 0.
-    out = acc / tl.where(denom == 0.0, 1.0, denom)
+    m_run = tl.full([HEADS_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([HEADS_PAD], tl.float32)
+    acc = tl.zeros([HEADS_PAD, DIM_PAD], tl.float32)
+    for seg in range(0, num_segs):
+        stat = (first + seg) * NUM_HEADS + heads
+        m = tl.load(max_ptr + stat, mask=head_valid, other=0.0)  # finite: every segment holds a key
+        m_new = tl.maximum(m_run, m)
+        a = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new)
+        denom = denom * a + tl.load(sum_ptr + stat, mask=head_valid, other=0.0) * w
+        part = tl.load(part_ptr + stat[:, None] * DIM_PAD + dims[None, :], mask=head_valid[:, None], other=0.0)
+        acc = acc * a[:, None] + part * w[:, None]
+        m_run = m_new
+    # A padding row (no keys, no segments) gets 0 rather than 0 / 0.
+    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     tl.store(
-        out_ptr + req * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM
+        out_ptr + req * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=head_valid[:, None] & (dims < HEAD_DIM)[None, :],
     )
 
 
@@ -189,32 +211,30 @@ def decode_attention(
     out: torch.Tensor,  # [R, H, D], written here (rows of any stride, each head contiguous)
     block_table: torch.Tensor,  # [R, W] int32
     seq_lens: torch.Tensor,  # [R] int32, keys including this step's; 0 = padding row (output 0)
-    work_req: torch.Tensor,  # [W_cap] int32 (decode_work), the step's items first
-    work_seg: torch.Tensor,  # [W_cap] int32
-    first_item: torch.Tensor,  # [R] int32
-    num_work: torch.Tensor,  # [1] int32, items this step (<= W_cap)
+    first_seg: torch.Tensor,  # [R] int32 (first_segments)
+    num_slots: int,  # partial slots to allocate: >= the step's total segments
+    max_segments: int,  # >= every request's segments: cdiv(longest length allowed, config.segment)
+    segs_per_program: int,  # segments_per_program(R, max_segments, ...)
     scale: float,
     config: DecodeConfig,
-    num_programs: int | None = None,  # programs per KV head (None: one per item of W_cap)
 ) -> torch.Tensor:
     """Attention of each request's single query token over its keys (this step's K/V written first). Returns
     `out`."""
     num_reqs, num_heads, head_dim = q.shape
-    capacity = work_req.shape[0]
-    if num_reqs == 0 or capacity == 0:
+    if num_reqs == 0 or num_slots == 0:
         return out
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     assert config.segment % config.tile_n == 0
     assert q.stride(2) == 1 and out.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    partial = torch.empty(capacity, num_heads, dim_pad, dtype=torch.float32, device=q.device)
-    max_buf = torch.empty(capacity, num_heads, dtype=torch.float32, device=q.device)
+    partial = torch.empty(num_slots, num_heads, dim_pad, dtype=torch.float32, device=q.device)
+    max_buf = torch.empty(num_slots, num_heads, dtype=torch.float32, device=q.device)
     sum_buf = torch.empty_like(max_buf)
     on_gpu = q.device.type == "cuda"
     launch = {"num_warps": config.num_warps, "num_stages": config.num_stages} if on_gpu else {}
-    programs = capacity if num_programs is None else min(num_programs, capacity)
-    _decode_segments_kernel[(programs, num_kv_heads)](
+    programs_per_req = triton.cdiv(max_segments, segs_per_program)
+    _decode_segments_kernel[(num_reqs * programs_per_req, num_kv_heads)](
         q,
         key_cache,
         value_cache,
@@ -223,9 +243,7 @@ def decode_attention(
         sum_buf,
         block_table,
         seq_lens,
-        work_req,
-        work_seg,
-        num_work,
+        first_seg,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -233,6 +251,8 @@ def decode_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         block_table.stride(0),
+        segs_per_program,
+        programs_per_req,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -245,19 +265,19 @@ def decode_attention(
         UPCAST=not on_gpu,  # the interpreter's tl.dot mishandles bf16 and fp16
         **launch,
     )
-    _combine_segments_kernel[(num_reqs, num_heads)](
+    _combine_segments_kernel[(num_reqs,)](
         out,
         partial,
         max_buf,
         sum_buf,
         seq_lens,
-        first_item,
+        first_seg,
         out.stride(0),
         out.stride(1),
         NUM_HEADS=num_heads,
+        HEADS_PAD=triton.next_power_of_2(num_heads),
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
         SEG_KEYS=config.segment,
-        SEG_CHUNK=8,
     )
     return out

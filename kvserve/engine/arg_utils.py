@@ -28,6 +28,10 @@ from kvserve.utils import json_object, parse_bytes
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# A server on a GPU: prompts go in chunks of at most this many tokens per step (with the running decodes), so that
+# a step with a prefill chunk stays within ~3x a decode step. On an H200 with a Llama-3-8B shape a decode step of 64
+# streams takes ~7 ms and each prefill token ~25 us more (docs/benchmarks.md, issue 35).
+DEFAULT_SERVING_GPU_MAX_NUM_BATCHED_TOKENS = 512
 
 _DTYPES = {
     "bfloat16": "bfloat16",
@@ -94,7 +98,8 @@ class EngineArgs:
     model: HF model folder, .gguf file or embedded model name (None: the embedded default model).
     tokenizer: tokenizer folder or .gguf (None: the model's). dtype: see resolve_dtype. seed: for requests
     without their own. max_model_len: context limit (None: the model's). max_num_seqs: most requests running at
-    once. max_num_batched_tokens: token budget per step (None: 2048, or max_model_len without chunked prefill).
+    once. max_num_batched_tokens: token budget per step (None: 2048, or max_model_len without chunked prefill; a
+    server on a GPU: 512, so that steps with a prefill chunk do not stall the streams).
     enable_chunked_prefill / enable_prefix_caching. block_size: tokens per KV block. kv_cache_memory: KV budget in
     bytes (None: 40% of free RAM, at most 4 GiB). num_kv_blocks: exact KV block count (overrides the memory).
     kv_prefault: fault the KV pool in at start-up: "off", "sync" or "background".
@@ -108,8 +113,9 @@ class EngineArgs:
     kv_transfer_config: a KV connector, a dict (or its JSON) such as {"kv_connector": "offload", "cpu_bytes":
     "2GiB", "disk_path": "/tmp/kv", "disk_bytes": "20GiB"} (kvserve/kv_transfer).
     async_scheduling: schedule the next step while the current one runs, so that the host's work (scheduling,
-    inputs, launches) overlaps the device's; outputs come one step later. Off by default; not with speculative
-    decoding, a KV connector or TP > 1.
+    inputs, launches) overlaps the device's; outputs come one step later. None (default): on for a GPU where
+    nothing excludes it (speculative decoding, a KV connector, TP > 1), off on the CPU (its forward pass is
+    synchronous: async only reorders the work). Structured outputs run synchronous steps while they are there.
     tensor_parallel_size: ranks the model is split over (heads, MLP columns, vocabulary).
     distributed_executor_backend: where the ranks run: "uniproc" (in the engine process; TP=1 only), "mp" (worker
     processes on this machine) or "ray" (Ray actors; a Ray cluster's machines); None: uniproc for TP=1, else mp.
@@ -144,7 +150,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: int | str | None = None
     kv_transfer_config: dict | str | None = None
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     worker_timeout_s: float | None = None
@@ -198,6 +204,8 @@ class EngineArgs:
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if serving and device.startswith("cuda"):
+                budget = DEFAULT_SERVING_GPU_MAX_NUM_BATCHED_TOKENS
             if not self.enable_chunked_prefill:
                 budget = max(budget, max_model_len)
         if budget < 1:
@@ -243,7 +251,6 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
-            async_scheduling=bool(self.async_scheduling),
         )
         spec = json_object(self.speculative_config, "speculative_config")
         speculative = SpeculativeConfig.from_dict(spec) if spec else None
@@ -251,18 +258,20 @@ class EngineArgs:
         if speculative is not None and speculative.method != "ngram":
             speculative = replace(speculative, draft=draft_model_config(speculative, model))
         self._check_device_options(model, speculative)
-        if self.async_scheduling:
-            refused = [
-                name
-                for name, on in (
-                    ("speculative decoding", speculative is not None),
-                    ("a KV connector (kv_transfer_config)", kv_transfer is not None),
-                    ("tensor_parallel_size > 1 or a non-uniproc executor", self._backend() != "uniproc"),
-                )
-                if on
-            ]
-            if refused:
-                raise ValueError(f"async_scheduling does not work with {' or '.join(refused)} yet")
+        refused = [
+            name
+            for name, on in (
+                ("speculative decoding", speculative is not None),
+                ("a KV connector (kv_transfer_config)", kv_transfer is not None),
+                ("tensor_parallel_size > 1 or a non-uniproc executor", self._backend() != "uniproc"),
+            )
+            if on
+        ]
+        if self.async_scheduling and refused:
+            raise ValueError(f"async_scheduling does not work with {' or '.join(refused)} yet")
+        # Default: on for a GPU (measured 1.37x the synchronous loop on the nano-vllm workload, H200, issue 35).
+        use_async = self.async_scheduling if self.async_scheduling is not None else device.startswith("cuda")
+        scheduler = replace(scheduler, async_scheduling=bool(use_async and not refused))
         return EngineConfig(
             model=model,
             cache=cache,

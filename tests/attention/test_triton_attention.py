@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 from kvserve.attention import triton_kernels  # noqa: E402
 from kvserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from kvserve.attention.triton_decode import DecodeConfig, decode_work  # noqa: E402
+from kvserve.attention.triton_decode import DecodeConfig, first_segments, segments_per_program  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # In the interpreter the kernels do not depend on the CPU's ISA level: once, in the native run, is enough.
@@ -275,7 +275,7 @@ def test_decode_graph_buffers_pad_the_batch():
     backend = TritonAttentionBackend(8, 2, 64, dtype, DEVICE, target_programs=64)
     buffers = backend.alloc_decode_buffers(max_reqs=16, width=8, block_size=16)
     md = backend.decode_graph_metadata(buffers, num_reqs=8, max_model_len=1024)
-    assert md.num_decodes == 8 and md.decode_programs is not None
+    assert md.num_decodes == 8 and md.max_segments == 1024 // 32
     backend.fill_decode_buffers(buffers, batch.inputs, num_padded=8)
     q = torch.cat([batch.q, torch.randn(5, 8, 64, device=batch.q.device)])
     k_new = torch.cat([batch.k_new, torch.randn(5, 2, 64, device=batch.q.device)])
@@ -313,11 +313,15 @@ def test_block_m_covers_the_gqa_group():
 # ---------------------------------------------------------------------------------------------------- segment decode
 
 
-def test_decode_work_lists_each_requests_segments_in_order():
-    work_req, work_seg, first = decode_work(np.array([5, 0, 64, 65]), 32)
-    assert work_req.tolist() == [0, 2, 2, 3, 3, 3]
-    assert work_seg.tolist() == [0, 0, 1, 0, 1, 2]
-    assert first.tolist() == [0, 1, 1, 3]  # the padding row (length 0) has no items
+def test_segment_slots_and_segments_per_program():
+    assert first_segments(np.array([5, 0, 64, 65]), 32).tolist() == [0, 1, 1, 3]  # padding (0) has no segment
+    # A large batch walks each context in one program; a small one splits it; never more than the context has.
+    assert segments_per_program(256, 8, 8, 528) == 8
+    assert segments_per_program(1, 8, 8, 528) == 1
+    assert segments_per_program(16, 8, 8, 528) == 1  # 2 each: 16 x 8 heads x 4 programs = 512 < 528
+    assert segments_per_program(32, 8, 8, 528) == 2
+    assert segments_per_program(64, 32, 8, 528) == 16
+    assert segments_per_program(3, 1, 8, 528) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -357,7 +361,7 @@ def test_segment_decode_is_batch_invariant():
     )
     out1 = backend.forward(batch.q[:1], batch.k_new[:1], batch.v_new[:1], kv, backend.build_metadata(alone), 0.125)
     assert torch.equal(out1[0], mixed[0])
-    # The three decodes through graph buffers padded to 8 rows, with 3 programs per KV head.
+    # The three decodes through graph buffers padded to 8 rows, and whatever the segments each program runs.
     decodes = AttentionInputs(
         num_decodes=3,
         query_start_loc=np.arange(4),
@@ -368,12 +372,13 @@ def test_segment_decode_is_batch_invariant():
     )
     buffers = backend.alloc_decode_buffers(max_reqs=8, width=inputs.block_table.shape[1], block_size=16)
     md = backend.decode_graph_metadata(buffers, num_reqs=8, max_model_len=16 * inputs.block_table.shape[1])
-    md.decode_programs = 3
     backend.fill_decode_buffers(buffers, decodes, num_padded=8)
     q = torch.cat([batch.q[:3], torch.randn(5, 8, 64, device=batch.q.device)])
-    out = backend.forward(q, q[:, :2], q[:, :2], kv, md, 0.125)
-    assert torch.equal(out[:3], mixed[:3])
-    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+    for per_program in (1, 2, 8):  # 151 keys: 5 segments of 32
+        md.segs_per_program = per_program
+        out = backend.forward(q, q[:, :2], q[:, :2], kv, md, 0.125)
+        assert torch.equal(out[:3], mixed[:3]), per_program
+        assert torch.equal(out[3:], torch.zeros_like(out[3:]))
 
 
 def test_metadata_parts_start_on_16_bytes():
@@ -384,13 +389,12 @@ def test_metadata_parts_start_on_16_bytes():
         md = backend.build_metadata(make_batch(seqs, 8, 2, 64, 16, torch.float32).inputs)
         for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "prog_req", "prog_qstart"):
             assert getattr(md, name).data_ptr() % 16 == 0, name
-        for name in ("work_req", "work_seg", "first_item", "num_work"):
-            assert getattr(md, name).data_ptr() % 16 == 0, name
+        assert md.first_seg.data_ptr() % 16 == 0
 
 
 def test_decode_graph_work_capacity_is_bounded_by_the_pool():
     backend = TritonAttentionBackend(8, 2, 64, torch.float32, DEVICE, decode_config=DecodeConfig(256, 64))
     full = backend.alloc_decode_buffers(max_reqs=64, width=128, block_size=16)  # 2048 keys: 8 segments each
-    assert full.max_work == 64 * 8
+    assert full.max_slots == 64 * 8
     small_pool = backend.alloc_decode_buffers(max_reqs=64, width=128, block_size=16, num_kv_blocks=100)
-    assert small_pool.max_work == 64 + 100 * 16 // 256
+    assert small_pool.max_slots == 64 + 100 * 16 // 256 + 1
