@@ -101,29 +101,31 @@ def _decode_segments_kernel(
     pid = tl.program_id(0)
     req = pid // programs_per_req
     kv_head = tl.program_id(1)
+    num_heads = tl.num_programs(1) * GROUP
+    rows = tl.arange(0, GROUP_PAD)
+    head = kv_head * GROUP + rows
+    row_valid = rows < GROUP
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    req64 = req.to(tl.int64)
+    # Issued together, before the length is known: at small batches each program is short and these latencies
+    # would otherwise add up one after the other.
     seq_len = tl.load(seq_lens_ptr + req)
+    q = tl.load(
+        q_ptr + req64 * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )  # [GROUP_PAD, DIM_PAD]
+    stat_base = tl.load(first_seg_ptr + req).to(tl.int64) * num_heads + head  # [GROUP_PAD]
     # This program's key tiles: those of its run of segments that the request has.
     tile_lo = (pid % programs_per_req) * segs_per_program * SEG_TILES
     tile_hi = tl.minimum(tile_lo + segs_per_program * SEG_TILES, tl.cdiv(seq_len, TILE_N))
     if tile_lo < tile_hi:
-        num_heads = tl.num_programs(1) * GROUP
-        rows = tl.arange(0, GROUP_PAD)
-        head = kv_head * GROUP + rows
-        row_valid = rows < GROUP
-        dims = tl.arange(0, DIM_PAD)
-        dim_valid = dims < HEAD_DIM
         offs_n = tl.arange(0, TILE_N)
-        req64 = req.to(tl.int64)
-        q = tl.load(
-            q_ptr + req64 * stride_qt + head[:, None] * stride_qh + dims[None, :],
-            mask=row_valid[:, None] & dim_valid[None, :],
-            other=0.0,
-        )  # [GROUP_PAD, DIM_PAD]
         if UPCAST:
             q = q.to(tl.float32)
         table_row = block_table_ptr + req64 * stride_bt
         head_off = kv_head * stride_ch
-        stat_base = tl.load(first_seg_ptr + req).to(tl.int64) * num_heads + head  # [GROUP_PAD]
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
@@ -170,37 +172,37 @@ def _combine_segments_kernel(
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     SEG_KEYS: tl.constexpr,
+    SEG_CHUNK: tl.constexpr,  # segments loaded at once (a power of 2)
 ):
-    # One program per request, all its heads at once: its segments merged in order.
+    # One program per (request, head): its segments merged in order, SEG_CHUNK of them per pass (one pass for
+    # contexts up to SEG_CHUNK segments, all loads in flight together).
     req = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
     num_segs = tl.cdiv(tl.load(seq_lens_ptr + req), SEG_KEYS)
     first = tl.load(first_seg_ptr + req).to(tl.int64)
-    heads = tl.arange(0, HEADS_PAD)
-    head_valid = heads < NUM_HEADS
+    offs = tl.arange(0, SEG_CHUNK)
     dims = tl.arange(0, DIM_PAD)
-    m_run = tl.full([HEADS_PAD], float("-inf"), tl.float32)
-    denom = tl.zeros([HEADS_PAD], tl.float32)
-    acc = tl.zeros([HEADS_PAD, DIM_PAD], tl.float32)
-    for seg in range(0, num_segs):
-        stat = (first + seg) * NUM_HEADS + heads
-        m = tl.load(max_ptr + stat, mask=head_valid, other=0.0)  # finite: every segment holds a key
-        m_new = tl.maximum(m_run, m)
+    m_run = float("-inf")
+    denom = 0.0
+    acc = tl.zeros([DIM_PAD], tl.float32)
+    for c in range(0, num_segs, SEG_CHUNK):
+        valid = c + offs < num_segs
+        stat = (first + c + offs) * NUM_HEADS + head
+        m = tl.load(max_ptr + stat, mask=valid, other=float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(m, 0))  # finite: every segment holds a key
         a = tl.exp2(m_run - m_new)
-        w = tl.exp2(m - m_new)
-        denom = denom * a + tl.load(sum_ptr + stat, mask=head_valid, other=0.0) * w
-        part = tl.load(part_ptr + stat[:, None] * DIM_PAD + dims[None, :], mask=head_valid[:, None], other=0.0)
-        acc = acc * a[:, None] + part * w[:, None]
+        w = tl.where(valid, tl.exp2(m - m_new), 0.0)
+        denom = denom * a + tl.sum(tl.load(sum_ptr + stat, mask=valid, other=0.0) * w, 0)
+        part = tl.load(part_ptr + stat[:, None] * DIM_PAD + dims[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * a + tl.sum(part * w[:, None], 0)
         m_run = m_new
     # A padding row (no keys, no segments) gets 0 rather than 0 / 0.
-    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    out = acc / tl.where(denom == 0.0, 1.0, denom)
     tl.store(
-        out_ptr + req * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=head_valid[:, None] & (dims < HEAD_DIM)[None, :],
+        out_ptr + req * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM
     )
 
 
@@ -265,7 +267,7 @@ def decode_attention(
         UPCAST=not on_gpu,  # the interpreter's tl.dot mishandles bf16 and fp16
         **launch,
     )
-    _combine_segments_kernel[(num_reqs,)](
+    _combine_segments_kernel[(num_reqs, num_heads)](
         out,
         partial,
         max_buf,
@@ -275,9 +277,9 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         NUM_HEADS=num_heads,
-        HEADS_PAD=triton.next_power_of_2(num_heads),
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
         SEG_KEYS=config.segment,
+        SEG_CHUNK=16,
     )
     return out

@@ -29,9 +29,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # A server on a GPU: prompts go in chunks of at most this many tokens per step (with the running decodes), so that
-# a step with a prefill chunk stays within ~3x a decode step. On an H200 with a Llama-3-8B shape a decode step of 64
-# streams takes ~7 ms and each prefill token ~25 us more (docs/benchmarks.md, issue 35).
-DEFAULT_SERVING_GPU_MAX_NUM_BATCHED_TOKENS = 512
+# a step with a prefill chunk stays within ~3x a decode step. On an H200 with a Llama-3-8B shape, 64 streams: a
+# decode step ~8 ms, each prefill token ~35 us more; 512 gave ITL p99 3.3x p50 with async scheduling, 2048 5.6x
+# (docs/benchmarks.md, issue 35).
+DEFAULT_SERVING_GPU_MAX_NUM_BATCHED_TOKENS = 384
 
 _DTYPES = {
     "bfloat16": "bfloat16",
@@ -99,7 +100,7 @@ class EngineArgs:
     tokenizer: tokenizer folder or .gguf (None: the model's). dtype: see resolve_dtype. seed: for requests
     without their own. max_model_len: context limit (None: the model's). max_num_seqs: most requests running at
     once. max_num_batched_tokens: token budget per step (None: 2048, or max_model_len without chunked prefill; a
-    server on a GPU: 512, so that steps with a prefill chunk do not stall the streams).
+    server on a GPU: 384, so that steps with a prefill chunk do not stall the streams).
     enable_chunked_prefill / enable_prefix_caching. block_size: tokens per KV block. kv_cache_memory: KV budget in
     bytes (None: 40% of free RAM, at most 4 GiB). num_kv_blocks: exact KV block count (overrides the memory).
     kv_prefault: fault the KV pool in at start-up: "off", "sync" or "background".

@@ -275,7 +275,7 @@ def test_decode_graph_buffers_pad_the_batch():
     backend = TritonAttentionBackend(8, 2, 64, dtype, DEVICE, target_programs=64)
     buffers = backend.alloc_decode_buffers(max_reqs=16, width=8, block_size=16)
     md = backend.decode_graph_metadata(buffers, num_reqs=8, max_model_len=1024)
-    assert md.num_decodes == 8 and md.max_segments == 1024 // 32
+    assert md.num_decodes == 8 and md.max_segments == 1024 // backend.decode_config.segment
     backend.fill_decode_buffers(buffers, batch.inputs, num_padded=8)
     q = torch.cat([batch.q, torch.randn(5, 8, 64, device=batch.q.device)])
     k_new = torch.cat([batch.k_new, torch.randn(5, 2, 64, device=batch.q.device)])
