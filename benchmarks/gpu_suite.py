@@ -3,6 +3,7 @@
     python3 benchmarks/gpu_suite.py correctness   # env, tests, parity   (~4 min on an H100)
     python3 benchmarks/gpu_suite.py perf          # env, roofline, throughput   (~7 min)
     python3 benchmarks/gpu_suite.py env tests parity roofline throughput   # any stages, in order
+    python3 benchmarks/gpu_suite.py env breakdown throughput serve         # issue 35's measurements
 
 Stages:
 - env:        the GPU, library versions, and the measured device-to-device copy bandwidth (bytes read + written).
@@ -19,6 +20,15 @@ Stages:
               temperature 0.6) on a Qwen3-0.6B-shaped random bf16 model: kvserve in each of MODES, and
               HF transformers `generate` (static batches of 64) on the same GPU in the same run, over the first
               --hf-requests (128) of the same requests: its rate, output tokens per second, is the comparison.
+              Each kvserve mode then runs a short profiled window at full batch (--profile-steps): wall and GPU-busy
+              time per step, and the host calls that took longest (where the host blocks on the GPU).
+- breakdown:  one decode step of the nano-vllm shape at batch 256 (contexts 500..2000): GPU time of the forward,
+              LM head and draw, per kernel, against the step's byte and FLOP floors; before (decode rows through
+              the prefill kernel, torch Gumbel draw) and after (segment decode kernel, fused draw); then one layer's
+              decode attention in each kernel variant (benchmarks/gpu_breakdown.py).
+- serve:      `kvserve serve` on the Llama-3-8B shape (random weights) under 64 concurrent streaming clients (256
+              requests): output tok/s, TTFT and ITL percentiles, in each of --serve-modes, and the Triton kernels
+              compiled while serving (benchmarks/gpu_serve.py).
 
 Every model is built from a config here: nothing is downloaded. Results go to $OUT/gpu_suite-<stages>.json (or
 ./gpu_suite-<stages>.json) and a summary table is printed last.
@@ -48,12 +58,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+from gpu_breakdown import profile_window  # noqa: E402
 
-STAGES = ("env", "tests", "parity", "roofline", "throughput")
+STAGES = ("env", "tests", "parity", "roofline", "throughput", "breakdown", "serve")
 GROUPS = {"correctness": ("env", "tests", "parity"), "perf": ("env", "roofline", "throughput")}
 KERNEL_TESTS = [
     "tests/attention/test_triton_attention.py",
     "tests/kernels/test_triton_ops.py",
+    "tests/sample/test_triton_sampling.py",
     "tests/models/test_triton_engine.py",
     "tests/spec_decode/test_triton_proposers.py",
 ]
@@ -154,8 +166,7 @@ def stage_tests(res: dict, args) -> None:
         "--durations=10",
         "-p",
         "no:cacheprovider",
-        *KERNEL_TESTS,
-        *GPU_PARTS_TESTS,
+        *(args.tests or [*KERNEL_TESTS, *GPU_PARTS_TESTS]),
     ]
     log("tests: " + " ".join(cmd))
     if DEVICE == "cuda":
@@ -225,11 +236,14 @@ def stage_parity(res: dict, args) -> None:
     tmp = tempfile.mkdtemp(prefix="kvserve-parity-")
     out: dict = {}
     smoke = DEVICE == "cpu"
-    for name in list(TINY_MODELS)[:2] if smoke else TINY_MODELS:
+    names = list(TINY_MODELS)[: args.parity_models or None]
+    for name in names[:2] if smoke else names:
         folder = build_tiny_model(name, os.path.join(tmp, name), tokenizer)
         prompts = parity_prompts(len(name))
         row: dict = {}
         for dtype, num_tokens in (("float32", 8 if smoke else 32), ("bfloat16", 8 if smoke else 64)):
+            if dtype not in args.parity_dtypes:
+                continue
             hf = transformers.AutoModelForCausalLM.from_pretrained(
                 folder, dtype=getattr(torch, dtype), attn_implementation="eager"
             )
@@ -455,6 +469,14 @@ def stage_throughput(res: dict, args) -> None:
         }
         out[r.name]["num_preemptions"] = llm.stats().get("num_preemptions")
         log(f"throughput {r.name}: {out[r.name]}")
+        if args.profile_steps and mode != "eager":
+            try:  # a diagnosis only: its failure must not cost the stage's figures
+                skip = 6 if DEVICE == "cpu" else args.profile_skip
+                window = profile_window(llm, requests, 0.6, skip, args.profile_steps, DEVICE)
+                out[r.name]["profile_window"] = window
+                log(f"throughput {r.name} profiled window: {window}")
+            except Exception as e:
+                out[r.name]["profile_window_error"] = repr(e)
         llm.shutdown()
         del llm
         release_memory()
@@ -487,7 +509,46 @@ def stage_throughput(res: dict, args) -> None:
             )
 
 
+def stage_breakdown(res: dict, args) -> None:
+    from gpu_breakdown import stage_breakdown as run
+
+    bandwidth = res.get("env", {}).get("copy_bandwidth_GBps", 0) * 1e9 or copy_bandwidth()
+    run(res, args, DEVICE, log, bandwidth, shape, weights_read_per_step)
+    release_memory()
+
+
+def stage_serve(res: dict, args) -> None:
+    from gpu_serve import stage_serve as run
+
+    run(res, args, DEVICE, log, shape)
+
+
 # ---------------------------------------------------------------------------------------------------- main
+
+
+def breakdown_summary(b: dict) -> list[str]:
+    f = b["floors"]
+    lines = [
+        f"breakdown qwen3-0.6b decode step, batch {b['batch']}, contexts {b['contexts']}: floor {f['floor_ms']} ms "
+        f"(bytes {f['bytes_ms']} ms: weights {f['weight_GB']} + KV {f['kv_GB']} + logits {f['logits_GB']} GB at "
+        f"{f['copy_GBps']} GB/s; FLOPs {f['flops_ms']} ms at {f['matmul_TFLOPs']} TFLOP/s)"
+    ]
+    for variant in ("before", "after"):
+        r = b.get(variant)
+        if r:
+            lines.append(
+                f"  {variant}: GPU {r['gpu_step_ms']} ms = forward {r['forward_ms']} + LM head {r['lm_head_ms']} + "
+                f"draw {r['sample_ms']} ({r['of_floor']:.0%} of floor); kernels by category (us): "
+                f"{r.get('by_category_us')}"
+            )
+    for key in ("attention_one_layer", "attention_one_layer_batch1"):
+        a = b.get(key)
+        if a:
+            lines.append(f"  one layer's decode attention, batch {a['batch']} ({a['bytes_MB']} MB of KV):")
+            for v in a["variants"]:
+                cell = f"{v['us']} us, {v['GBps']} GB/s" if "us" in v else f"error {v['error'][:80]}"
+                lines.append(f"    {v['variant']}: {cell}")
+    return lines
 
 
 def summary(res: dict) -> str:
@@ -524,11 +585,36 @@ def summary(res: dict) -> str:
         for k, v in res["throughput"].items():
             if isinstance(v, dict):
                 lines.append(f"throughput {k}: {v['output_tok_s']} output tok/s in {v['seconds']} s")
+                if "phase_ms_per_step" in v:
+                    lines.append(f"  {v.get('steps')} steps, ms/step by phase: {v['phase_ms_per_step']}")
+                w = v.get("profile_window")
+                if w:
+                    lines.append(
+                        f"  window: {w['wall_ms_per_step']} ms/step wall, GPU busy {w.get('gpu_busy_ms_per_step')} "
+                        f"ms ({w.get('gpu_busy_fraction')}); host top: "
+                        + ", ".join(f"{h['op']} {h['ms_per_step']}" for h in w["host_top"][:6])
+                    )
         t = res["throughput"]
         lines.append(
             f"speedup kvserve graphs / best HF: {t.get('speedup_graphs_vs_best_hf')}x; graphs / eager: "
             f"{t.get('speedup_graphs_vs_eager')}x; async / graphs: {t.get('speedup_async_vs_graphs')}x"
         )
+    if "breakdown" in res:
+        lines += breakdown_summary(res["breakdown"])
+    if "serve" in res:
+        for mode, r in res["serve"].items():
+            if not isinstance(r, dict):
+                continue
+            if "error" in r:
+                lines.append(f"serve {mode}: ERROR {r['error'][:200]}")
+                continue
+            lines.append(
+                f"serve {mode}: {r['output_tok_s']} output tok/s, {r['completed']} done, {r['errors']} errors; TTFT "
+                f"p50/p99 {r['ttft_ms']['median']}/{r['ttft_ms']['p99']} ms; ITL p50/p99 {r['itl_ms']['median']}/"
+                f"{r['itl_ms']['p99']} ms (x{r['itl_p99_over_p50']}), >100 ms: {r['itl_over_100ms']} of "
+                f"{r['num_itls']}, top {r['itl_top_ms'][-3:]}; Triton compiles while serving: "
+                f"{r['triton_compiled_while_serving']}"
+            )
     for stage, err in res.get("errors", {}).items():
         lines.append(f"ERROR in {stage}: {err.splitlines()[-1] if err else ''}")
     return "\n".join(lines)
@@ -552,6 +638,16 @@ def main() -> int:
     p.add_argument("--throughput-modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--roofline-modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--tests-timeout", type=int, default=420)
+    p.add_argument("--tests", nargs="+", default=None, help="test files for the tests stage (default: all listed)")
+    p.add_argument("--profile-steps", type=int, default=20, help="throughput: steps in the profiled window (0: none)")
+    p.add_argument("--profile-skip", type=int, default=24, help="throughput: steps before the window (prefills)")
+    p.add_argument("--breakdown-batch", type=int, default=256)
+    p.add_argument("--serve-modes", nargs="+", choices=("sync", "async"), default=["sync", "async"])
+    p.add_argument("--serve-requests", type=int, default=256)
+    p.add_argument("--serve-concurrency", type=int, default=64)
+    p.add_argument("--serve-start-timeout", type=float, default=300)
+    p.add_argument("--parity-models", type=int, default=0, help="parity: the first N tiny models (0: all)")
+    p.add_argument("--parity-dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_suite.json")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the suite, measures nothing")
     args = p.parse_args()

@@ -36,3 +36,20 @@ def test_every_stage_runs_on_the_cpu(tmp_path):
     assert res["throughput"]["kvserve (graphs)"]["output_tok_s"] > 0
     assert "speedup_graphs_vs_best_hf" in res["throughput"]
     assert "==== gpu_suite summary ====" in proc.stdout
+
+
+def test_breakdown_and_serve_stages_run_on_the_cpu(tmp_path):
+    """The issue-35 stages: the decode-step breakdown (kernels in Triton's interpreter) and `kvserve serve` under
+    streaming load, on the tiny stand-ins."""
+    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "benchmarks/gpu_suite.py", "breakdown", "serve", "--smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (path,) = tmp_path.glob("gpu_suite-*.json")
+    res = json.loads(path.read_text())
+    assert res["errors"] == {}
+    b = res["breakdown"]
+    assert {"before", "after", "floors", "attention_one_layer"} <= set(b)
+    assert all("us" in v for v in b["attention_one_layer"]["variants"]), b["attention_one_layer"]
+    for mode in ("sync", "async"):
+        assert res["serve"][mode]["completed"] == 8 and res["serve"][mode]["errors"] == 0, res["serve"][mode]

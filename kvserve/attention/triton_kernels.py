@@ -29,7 +29,9 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Integer arguments that vary from step to step are not specialized (Triton would compile a variant for 1, for
+# multiples of 16 and for the rest: a compile stall in the middle of serving the first time each one shows up).
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
     k_ptr,
     v_ptr,
@@ -67,7 +69,7 @@ def _write_kv_kernel(
     tl.store(value_cache_ptr + dst, v, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D]
     key_cache_ptr,  # [N, B, Hkv, D]
@@ -185,7 +187,7 @@ def _paged_attention_kernel(
         tl.store(sum_ptr + stat, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_token"])
 def _reduce_splits_kernel(
     out_ptr,  # [T, H, D]
     partial_ptr,  # [T, H, NUM_SPLITS, DIM_PAD] fp32
@@ -193,12 +195,13 @@ def _reduce_splits_kernel(
     sum_ptr,
     stride_ot,
     stride_oh,
+    first_token,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    token = tl.program_id(0).to(tl.int64) + first_token
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, DIM_PAD)
@@ -266,11 +269,13 @@ def paged_attention(
     block_m: int,
     tile_n: int,
     num_splits: int = 1,
+    first_token: int = 0,
 ) -> torch.Tensor:
-    """Attention of every query token over its request's keys, read through the block table (K/V of this
-    step's tokens must be written first). `block_m` rows per program (BLOCK_Q = block_m // group tokens, the
-    stride of `prog_qstart`); `num_splits` > 1 (a power of 2) splits each program's keys over that many programs
-    and reduces after. Returns `out`."""
+    """Attention of the query tokens the programs cover over their request's keys, read through the block table
+    (K/V of this step's tokens must be written first). `block_m` rows per program (BLOCK_Q = block_m // group
+    tokens, the stride of `prog_qstart`); `num_splits` > 1 (a power of 2) splits each program's keys over that
+    many programs and reduces after, over tokens `first_token`.. (the programs must cover them all: tokens before
+    belong to another kernel, the decode rows of triton_decode.py). Returns `out`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -321,13 +326,14 @@ def paged_attention(
         UPCAST=q.device.type == "cpu",
     )
     if num_splits > 1:
-        _reduce_splits_kernel[(num_tokens, num_heads)](
+        _reduce_splits_kernel[(num_tokens - first_token, num_heads)](
             out,
             partial,
             max_buf,
             sum_buf,
             out.stride(0),
             out.stride(1),
+            first_token,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             DIM_PAD=dim_pad,

@@ -172,6 +172,11 @@ class Scheduler:
             request.status = status
             self._free_request(request)
 
+    def has_structured_output_requests(self) -> bool:
+        """A constrained request is running or waiting: its next mask needs its last token, so an async engine
+        runs synchronous steps while one is there."""
+        return any(r.grammar is not None for r in self.running) or any(r.grammar is not None for r in self.waiting)
+
     def has_unfinished_requests(self) -> bool:
         return bool(
             self.running

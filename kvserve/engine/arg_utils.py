@@ -19,7 +19,7 @@ from kvserve.config import (
     SpeculativeConfig,
 )
 from kvserve.distributed.sharding import check_head_split
-from kvserve.engine.combinations import check_engine_config
+from kvserve.engine.combinations import check_engine_config, refusals
 from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
 from kvserve.loader.default_model import find_gguf, resolve_model_path
 from kvserve.loader.fingerprint import weights_fingerprint
@@ -31,6 +31,10 @@ from kvserve.utils import json_object, parse_bytes
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# A server on a GPU prefills in chunks of at most this many tokens per step (with the running decodes), so that a
+# step with a prefill chunk stays within a few decode steps and the streams do not stall (measured on an H200:
+# docs/benchmarks.md, issue 35).
+DEFAULT_SERVING_GPU_MAX_NUM_BATCHED_TOKENS = 384
 
 _DTYPES = {
     "bfloat16": "bfloat16",
@@ -97,7 +101,8 @@ class EngineArgs:
     model: HF model folder, .gguf file or embedded model name (None: the embedded default model).
     tokenizer: tokenizer folder or .gguf (None: the model's). dtype: see resolve_dtype. seed: for requests
     without their own. max_model_len: context limit (None: the model's). max_num_seqs: most requests running at
-    once. max_num_batched_tokens: token budget per step (None: 2048, or max_model_len without chunked prefill).
+    once. max_num_batched_tokens: token budget per step (None: 2048, or max_model_len without chunked prefill; a
+    server on a GPU: 384, so that steps with a prefill chunk do not stall the streams).
     enable_chunked_prefill / enable_prefix_caching. block_size: tokens per KV block. kv_cache_memory: KV budget in
     bytes (None: 40% of free RAM, at most 4 GiB). num_kv_blocks: exact KV block count (overrides the memory).
     kv_prefault: fault the KV pool in at start-up: "off", "sync" or "background".
@@ -113,8 +118,10 @@ class EngineArgs:
     kv_events_config: publish KV cache events, a dict (or its JSON) with vLLM's keys, e.g.
     {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"} (config.KVEventsConfig).
     async_scheduling: schedule the next step while the current one runs, so that the host's work (scheduling,
-    inputs, launches) overlaps the device's; outputs come one step later. Off by default; what it does not combine
-    with is refused with the reason (engine/combinations.py).
+    inputs, launches) overlaps the device's; outputs come one step later. None (default): on for a GPU where nothing
+    excludes it (engine/combinations.py), off on the CPU (its forward pass is synchronous: async only reorders the
+    work); True where something excludes it is refused with the reason. Structured outputs run synchronous steps
+    while they are there.
     tensor_parallel_size: ranks the model is split over (heads, MLP columns, vocabulary).
     distributed_executor_backend: where the ranks run: "uniproc" (in the engine process; TP=1 only), "mp" (worker
     processes on this machine) or "ray" (Ray actors; a Ray cluster's machines); None: uniproc for TP=1, else mp.
@@ -150,7 +157,7 @@ class EngineArgs:
     swap_space: int | str | None = None
     kv_transfer_config: dict | str | None = None
     kv_events_config: dict | str | None = None
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     worker_timeout_s: float | None = None
@@ -204,6 +211,8 @@ class EngineArgs:
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if serving and device.startswith("cuda"):
+                budget = DEFAULT_SERVING_GPU_MAX_NUM_BATCHED_TOKENS
             if not self.enable_chunked_prefill:
                 budget = max(budget, max_model_len)
         if budget < 1:
@@ -268,6 +277,11 @@ class EngineArgs:
             parallel=self._parallel_config(arch),
             kv_events=_kv_events_config(self.kv_events_config),
         )
+        if self.async_scheduling is None and device.startswith("cuda"):
+            # Default on a GPU (it measured faster there: docs/gpu.md), unless something excludes it.
+            trial = replace(config, scheduler=replace(scheduler, async_scheduling=True))
+            if not any(r.startswith("async_scheduling") for r in refusals(trial)):
+                config = trial
         check_engine_config(config)
         return config
 

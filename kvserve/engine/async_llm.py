@@ -8,6 +8,7 @@ is cancelled, or the client disconnects) aborts the request in the core, which f
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -93,6 +94,8 @@ class AsyncLLM:
         self.num_blocks = ready.num_blocks
         self.processor = Processor(self.config.model, self.tokenizer, ready.max_tokens_per_request)
         self._output_task = asyncio.create_task(self._output_loop(), name="kvserve-output-loop")
+        gc.collect()
+        gc.freeze()  # start-up's objects stay for good: full collections while serving skip them
 
     @property
     def is_healthy(self) -> bool:

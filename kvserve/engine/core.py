@@ -101,14 +101,34 @@ class EngineCore:
                 self.executor.collective_rpc("set_num_threads", (num_threads,))
         timer = self.timer
         timer.steps += 1
+        drained: list[EngineCoreOutput] = []
+        synchronous = not self.async_scheduling
+        if not synchronous and self.scheduler.has_structured_output_requests():
+            # A constrained request's next mask needs its last token: finish the step in flight, then run this
+            # step synchronously (async steps resume once no constrained request is left).
+            drained, synchronous = self._drain_in_flight(), True
         with timer.phase("schedule"):
             scheduler_output = self.scheduler.schedule()
-        if self.async_scheduling:
+        if not synchronous:
             return self._step_async(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
+        if self.async_scheduling:
+            # The runner launched the step without waiting for it (nothing else was in flight): collect it now.
+            assert runner_output is None, "a step was in flight beside a synchronous one"
+            runner_output = self.executor.execute_model(SchedulerOutput())
         assert runner_output is not None
         with timer.phase("update"):
-            return self.scheduler.update_from_output(scheduler_output, runner_output)
+            return drained + self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _drain_in_flight(self) -> list[EngineCoreOutput]:
+        """Async scheduling: the outputs of the step in flight, launching nothing after it."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is None:
+            return []
+        runner_output = self.executor.execute_model(SchedulerOutput())
+        assert runner_output is not None, "the runner lost the step in flight"
+        with self.timer.phase("update"):
+            return self.scheduler.update_from_output(previous, runner_output)
 
     def _step_async(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         previous, self._in_flight = self._in_flight, None if scheduler_output.is_empty else scheduler_output

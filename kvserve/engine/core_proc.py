@@ -7,6 +7,7 @@ sockets go away; it never outlives the server.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -60,6 +61,10 @@ def run_engine_core(
 
         core = EngineCore(config)
         publisher = make_publisher(config.kv_events)
+        # The objects of start-up (model, modules, tokenizer) live as long as the process: out of the collector's
+        # way, so that a full collection in the middle of serving walks only what the steps allocate.
+        gc.collect()
+        gc.freeze()
         outputs.send(encoder.encode(Ready(core.num_blocks, core.max_tokens_per_request)))
         _busy_loop(core, inputs, outputs, parent, publisher)
     except WorkerFailedError as e:

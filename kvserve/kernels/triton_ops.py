@@ -167,3 +167,56 @@ def rotary_(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: to
             # into the sum unrounded (seen on an H100 with Triton 3.6, whose default is to fuse).
             enable_fp_fusion=False,
         )
+
+
+@triton.jit
+def _qk_norm_kernel(
+    x_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    stride_x,
+    eps,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_HEADS: tl.constexpr,  # query + key heads
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    mask = (heads < NUM_HEADS)[:, None] & dim_valid[None, :]
+    ptrs = x_ptr + t * stride_x + heads[:, None] * HEAD_DIM + dims[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    inv_rms = tl.math.rsqrt(tl.sum(xf * xf, 1) / HEAD_DIM + eps)
+    y = (xf * inv_rms[:, None]).to(x.dtype, fp_downcast_rounding="rtne")  # HF casts back before the weight
+    w_q = tl.load(q_w_ptr + dims, mask=dim_valid, other=0.0).to(tl.float32)
+    w_k = tl.load(k_w_ptr + dims, mask=dim_valid, other=0.0).to(tl.float32)
+    w = tl.where((heads < NUM_Q_HEADS)[:, None], w_q[None, :], w_k[None, :])
+    tl.store(ptrs, (w * y.to(tl.float32)).to(x.dtype, fp_downcast_rounding="rtne"), mask=mask)
+
+
+def qk_norm_(
+    x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_q_heads: int, num_k_heads: int
+) -> None:
+    """Qwen3's per-head RMSNorm of q and k, in place, in one launch: x [T, >= (num_q_heads + num_k_heads) *
+    head_dim] (a fused qkv row: query heads, then key heads; rows of any stride, unit stride within) gets each of
+    its first num_q_heads heads normalised with q_weight and the next num_k_heads with k_weight ([head_dim]).
+    Rounds as RMSNorm's native path does (two norms over reshaped copies and two write-backs before)."""
+    head_dim = q_weight.shape[0]
+    num_heads = num_q_heads + num_k_heads
+    if x.shape[0]:
+        _qk_norm_kernel[(x.shape[0],)](
+            x,
+            q_weight,
+            k_weight,
+            x.stride(0),
+            eps,
+            NUM_Q_HEADS=num_q_heads,
+            NUM_HEADS=num_heads,
+            HEADS_PAD=triton.next_power_of_2(num_heads),
+            HEAD_DIM=head_dim,
+            DIM_PAD=triton.next_power_of_2(head_dim),
+        )

@@ -63,3 +63,31 @@ class RMSNorm(CustomOp):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, impl={self.impl}"
+
+
+class QKNorm(CustomOp):
+    """Qwen3's per-head RMSNorm of q and k before RoPE, in place on the fused qkv rows: forward(qkv, q_norm,
+    k_norm, num_heads, num_kv_heads) normalises each query head with `q_norm` and each key head with `k_norm`
+    (RMSNorm layers over head_dim, which hold the weights). Holds no parameters of its own.
+
+    The cuda path (half types) is one Triton launch; the others reshape, call the two norms and write back, which
+    on a GPU is six launches a layer (two copies out, two norms, two copies back).
+    """
+
+    def forward_native(
+        self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int, num_kv_heads: int
+    ) -> None:
+        t, head_dim = qkv.shape[0], q_norm.weight.shape[0]
+        q_size, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+        qkv[:, :q_size] = q_norm(qkv[:, :q_size].reshape(-1, head_dim)).view(t, -1)
+        qkv[:, q_size:k_end] = k_norm(qkv[:, q_size:k_end].reshape(-1, head_dim)).view(t, -1)
+
+    def forward_cuda(
+        self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int, num_kv_heads: int
+    ) -> None:
+        # fp32 keeps torch's kernels (HF parity to the bit), as RMSNorm does.
+        if qkv.dtype == torch.float32 or qkv.stride(-1) != 1 or q_norm.eps != k_norm.eps:
+            return self.forward_native(qkv, q_norm, k_norm, num_heads, num_kv_heads)
+        from kvserve.kernels import triton_ops
+
+        triton_ops.qk_norm_(qkv, q_norm.weight, k_norm.weight, q_norm.eps, num_heads, num_kv_heads)

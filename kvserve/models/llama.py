@@ -24,7 +24,7 @@ from kvserve.config import ArchConfig
 from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.linear import Linear
-from kvserve.layers.norm import RMSNorm
+from kvserve.layers.norm import QKNorm, RMSNorm
 from kvserve.layers.parallel_linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -71,6 +71,7 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.qk_norm_op = QKNorm()
         self.rotary = rotary  # shared by all layers
         self.backend = backend
 
@@ -79,11 +80,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         qk_size = self.q_size + self.kv_size
         if self.qk_norm:
-            # Qwen3: per-head RMSNorm of q and k before RoPE, written back so RoPE can rotate them in place.
-            qkv[:, : self.q_size] = self.q_norm(qkv[:, : self.q_size].reshape(-1, self.head_dim)).view(t, -1)
-            qkv[:, self.q_size : qk_size] = self.k_norm(qkv[:, self.q_size : qk_size].reshape(-1, self.head_dim)).view(
-                t, -1
-            )
+            # Qwen3: per-head RMSNorm of q and k before RoPE, in place so RoPE can rotate them in place.
+            self.qk_norm_op(qkv, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
         self.rotary.rotate_(positions, qkv[:, :qk_size], self.num_heads + self.num_kv_heads)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, self.head_dim)

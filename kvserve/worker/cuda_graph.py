@@ -64,7 +64,8 @@ class DecodeGraphRunner:
         self.max_model_len = max_model_len
         self.use_graphs = capture
         max_size = sizes[-1]
-        self.buffers = backend.alloc_decode_buffers(max_size, max_blocks_per_req)
+        block_size, num_kv_blocks = kv_caches[0][0].shape[1], kv_caches[0][0].shape[0]
+        self.buffers = backend.alloc_decode_buffers(max_size, max_blocks_per_req, block_size, num_kv_blocks)
         # Token ids and positions: staged in (pinned) host memory, then one copy each.
         pin = device.type == "cuda"
         self.host_tokens = torch.zeros(2, max_size, dtype=torch.int64, pin_memory=pin)
@@ -90,6 +91,9 @@ class DecodeGraphRunner:
         if not self.use_graphs:
             return
         start = time.perf_counter()
+        warmup = getattr(self.backend, "warmup", None)
+        if warmup is not None:  # the eager steps' kernel variants too: compiled now, not while serving
+            warmup(self.kv_caches[0])
         self._fill_padding()
         pool = None
         for n in reversed(self.sizes):

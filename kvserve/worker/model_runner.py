@@ -38,6 +38,7 @@ from kvserve.attention.spec import AttentionSpec
 from kvserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.spec_policy import SpecDecodePolicy
+from kvserve.device_copy import to_device
 from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.distributed.sharding import head_slice
 from kvserve.kv_cache_spec import KVCacheSpec
@@ -398,7 +399,7 @@ class ModelRunner:
             return None, num_logits
         ends = step.query_start_loc[1:][step.sample_idx]
         logits_idx = np.repeat(ends - num_logits, num_logits) + ragged_arange(num_logits)
-        return self.model.compute_logits(hidden[self._to_device(logits_idx)]), num_logits
+        return self.model.compute_logits(self._rows(hidden, logits_idx)), num_logits
 
     def _launch_sample(
         self,
@@ -590,9 +591,16 @@ class ModelRunner:
             batch.token_ids[row, start : start + len(draft_ids)] = draft_ids
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A numpy array as a tensor on the model's device (on the CPU, the same memory)."""
-        t = torch.from_numpy(array)
-        return t if not self.on_gpu else t.to(self.device, non_blocking=True)
+        """A numpy array as a tensor on the model's device (on the CPU, the same memory), without waiting for the
+        device (staged through pinned memory: device_copy.py)."""
+        return to_device(array, self.device)
+
+    def _rows(self, hidden: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+        """hidden[idx]; a plain slice when idx is 0..n-1 (decode steps: no index copy, no gather)."""
+        n = len(idx)
+        if n and int(idx[-1]) == n - 1 and int(idx[0]) == 0 and bool((np.diff(idx) == 1).all()):
+            return hidden[:n]
+        return hidden[self._to_device(idx)]
 
     @staticmethod
     def _collect_logprobs(

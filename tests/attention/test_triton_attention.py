@@ -1,5 +1,5 @@
-"""The Triton paged-attention kernels (attention/triton_kernels.py, triton_backend.py) against plain
-per-sequence causal attention and the torch reference backend.
+"""The Triton paged-attention kernels (attention/triton_kernels.py, triton_decode.py, triton_backend.py) against
+plain per-sequence causal attention and the torch reference backend.
 
 On a machine with CUDA they run on the GPU; elsewhere on the CPU in Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 before anything imports Triton), with small shapes: the interpreter runs every program
@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 
 from kvserve.attention import triton_kernels  # noqa: E402
 from kvserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from kvserve.attention.triton_decode import DecodeConfig, first_segments, segments_per_program  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # In the interpreter the kernels do not depend on the CPU's ISA level: once, in the native run, is enough.
@@ -202,12 +203,16 @@ def test_split_k_decode_long_contexts(num_splits):
     check_against_reference(batch, out, 8, 64, dtype)
 
 
-def test_split_k_is_chosen_for_few_long_decodes_only():
+def test_split_k_is_chosen_for_few_long_draft_rows_only():
+    """The prefill kernel's split-K: for few long rows of several query tokens (drafts) and no prefill chunk;
+    single-token decodes take the segment kernel and do not count."""
     backend = TritonAttentionBackend(8, 2, 64, torch.float32, DEVICE, tile_n=16, target_programs=64)
-    decodes = make_batch([(300, 1), (200, 1)], 8, 2, 64, 16, torch.float32)
-    assert backend.build_metadata(decodes.inputs).num_splits > 1
-    with_prefill = make_batch([(300, 1), (0, 40)], 8, 2, 64, 16, torch.float32)
+    drafts = make_batch([(300, 2), (200, 3)], 8, 2, 64, 16, torch.float32)
+    assert backend.build_metadata(drafts.inputs).num_splits > 1
+    with_prefill = make_batch([(300, 2), (0, 40)], 8, 2, 64, 16, torch.float32)
     assert backend.build_metadata(with_prefill.inputs).num_splits == 1
+    decodes = backend.build_metadata(make_batch([(300, 1), (200, 1)], 8, 2, 64, 16, torch.float32).inputs)
+    assert decodes.num_splits == 1 and decodes.num_decodes == 2 and decodes.prog_req.numel() == 0
     assert triton_kernels.num_splits_for(4, 300, 16, 64) == 4  # 19 tiles: at least 4 per split
     assert triton_kernels.num_splits_for(4, 2000, 16, 64) == 16
     assert triton_kernels.num_splits_for(8, 2000, 16, 64) == 8  # 8 x 8 programs fill the target
@@ -268,9 +273,9 @@ def test_decode_graph_buffers_pad_the_batch():
     seqs = [(33, 1), (0, 1), (70, 1)]
     batch = make_batch(seqs, 8, 2, 64, 16, dtype, seed=8)
     backend = TritonAttentionBackend(8, 2, 64, dtype, DEVICE, target_programs=64)
-    buffers = backend.alloc_decode_buffers(max_reqs=16, width=8)
+    buffers = backend.alloc_decode_buffers(max_reqs=16, width=8, block_size=16)
     md = backend.decode_graph_metadata(buffers, num_reqs=8, max_model_len=1024)
-    assert md.num_splits > 1  # 8 x 2 programs < 64: the graph splits for the longest allowed context
+    assert md.num_decodes == 8 and md.max_segments == 1024 // backend.decode_config.segment
     backend.fill_decode_buffers(buffers, batch.inputs, num_padded=8)
     q = torch.cat([batch.q, torch.randn(5, 8, 64, device=batch.q.device)])
     k_new = torch.cat([batch.k_new, torch.randn(5, 2, 64, device=batch.q.device)])
@@ -303,3 +308,93 @@ def test_block_m_covers_the_gqa_group():
     assert triton_kernels.block_m_for(4, 100) == 64
     assert triton_kernels.block_m_for(4, 5) == 32  # a decode with 4 draft tokens
     assert triton_kernels.block_m_for(7, 1) == 16  # 2 tokens of 7 heads, 2 rows unused
+
+
+# ---------------------------------------------------------------------------------------------------- segment decode
+
+
+def test_segment_slots_and_segments_per_program():
+    assert first_segments(np.array([5, 0, 64, 65]), 32).tolist() == [0, 1, 1, 3]  # padding (0) has no segment
+    # A large batch walks each context in one program; a small one splits it; never more than the context has.
+    assert segments_per_program(256, 8, 8, 528) == 8
+    assert segments_per_program(1, 8, 8, 528) == 1
+    assert segments_per_program(16, 8, 8, 528) == 1  # 2 each: 16 x 8 heads x 4 programs = 512 < 528
+    assert segments_per_program(32, 8, 8, 528) == 2
+    assert segments_per_program(64, 32, 8, 528) == 16
+    assert segments_per_program(3, 1, 8, 528) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_segment_decode_matches_reference(group, dtype):
+    """Decodes whose contexts end inside a segment, on its last key, one key past it, and span many segments
+    (segments of 32 keys in tiles of 16 in the interpreter; the GPU's defaults on a GPU)."""
+    seqs = [(0, 1), (31, 1), (63, 1), (64, 1), (200, 1), (7, 1)]
+    num_kv_heads = 2
+    batch = make_batch(seqs, group * num_kv_heads, num_kv_heads, 64, 16, dtype, seed=group)
+    backend = TritonAttentionBackend(group * num_kv_heads, num_kv_heads, 64, dtype, DEVICE)
+    md = backend.build_metadata(batch.inputs)
+    assert md.num_decodes == len(seqs) and md.prog_req.numel() == 0
+    kv = (batch.key_cache, batch.value_cache)
+    out = backend.forward(batch.q, batch.k_new, batch.v_new, kv, md, 64**-0.5)
+    check_against_reference(batch, out, group * num_kv_heads, 64, dtype)
+
+
+def test_segment_decode_is_batch_invariant():
+    """A decode row's output is the same bits alone, in a larger batch, beside prefill chunks, and through the
+    graph buffers (padded rows, a fixed grid of programs looping over the items)."""
+    dtype = torch.float32
+    seqs = [(150, 1), (3, 1), (70, 1), (40, 9)]
+    batch = make_batch(seqs, 8, 2, 64, 16, dtype, seed=11)
+    backend = TritonAttentionBackend(8, 2, 64, dtype, DEVICE)
+    kv = (batch.key_cache.clone(), batch.value_cache.clone())
+    mixed = backend.forward(batch.q, batch.k_new, batch.v_new, kv, backend.build_metadata(batch.inputs), 0.125)
+    # Request 0 alone (its K/V for this step are in the cache now: slot -1 writes nothing again).
+    inputs = batch.inputs
+    alone = AttentionInputs(
+        num_decodes=1,
+        query_start_loc=np.array([0, 1]),
+        seq_lens=inputs.seq_lens[:1],
+        block_table=inputs.block_table[:1],
+        slot_mapping=np.array([-1]),
+        block_size=16,
+    )
+    out1 = backend.forward(batch.q[:1], batch.k_new[:1], batch.v_new[:1], kv, backend.build_metadata(alone), 0.125)
+    assert torch.equal(out1[0], mixed[0])
+    # The three decodes through graph buffers padded to 8 rows, and whatever the segments each program runs.
+    decodes = AttentionInputs(
+        num_decodes=3,
+        query_start_loc=np.arange(4),
+        seq_lens=inputs.seq_lens[:3],
+        block_table=inputs.block_table[:3],
+        slot_mapping=np.full(3, -1),
+        block_size=16,
+    )
+    buffers = backend.alloc_decode_buffers(max_reqs=8, width=inputs.block_table.shape[1], block_size=16)
+    md = backend.decode_graph_metadata(buffers, num_reqs=8, max_model_len=16 * inputs.block_table.shape[1])
+    backend.fill_decode_buffers(buffers, decodes, num_padded=8)
+    q = torch.cat([batch.q[:3], torch.randn(5, 8, 64, device=batch.q.device)])
+    for per_program in (1, 2, 8):  # 151 keys: 5 segments of 32
+        md.segs_per_program = per_program
+        out = backend.forward(q, q[:, :2], q[:, :2], kv, md, 0.125)
+        assert torch.equal(out[:3], mixed[:3]), per_program
+        assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+
+
+def test_metadata_parts_start_on_16_bytes():
+    """Every view the kernels get is 16-byte aligned whatever the batch, so Triton compiles one variant per
+    kernel instead of one per alignment pattern met while serving."""
+    backend = TritonAttentionBackend(8, 2, 64, torch.float32, DEVICE)
+    for seqs in ([(5, 1)], [(5, 1), (9, 1), (30, 3)], [(0, 7), (3, 1), (1, 1), (2, 1), (40, 5)]):
+        md = backend.build_metadata(make_batch(seqs, 8, 2, 64, 16, torch.float32).inputs)
+        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "prog_req", "prog_qstart"):
+            assert getattr(md, name).data_ptr() % 16 == 0, name
+        assert md.first_seg.data_ptr() % 16 == 0
+
+
+def test_decode_graph_work_capacity_is_bounded_by_the_pool():
+    backend = TritonAttentionBackend(8, 2, 64, torch.float32, DEVICE, decode_config=DecodeConfig(256, 64))
+    full = backend.alloc_decode_buffers(max_reqs=64, width=128, block_size=16)  # 2048 keys: 8 segments each
+    assert full.max_slots == 64 * 8
+    small_pool = backend.alloc_decode_buffers(max_reqs=64, width=128, block_size=16, num_kv_blocks=100)
+    assert small_pool.max_slots == 64 + 100 * 16 // 256 + 1

@@ -245,11 +245,26 @@ def test_bad_specs_are_refused_and_the_engine_goes_on(model_path):
     assert_all_blocks_free(llm)
 
 
-def test_async_scheduling_refuses_constrained_requests(model_path):
+def test_async_scheduling_runs_constrained_requests_synchronously(model_path):
+    """With async scheduling, constrained requests are served, not refused: the engine finishes the step in flight
+    and runs synchronous steps while one is there, so every output equals the synchronous engine's (free
+    requests alongside included), then goes back to async steps."""
+    prompts, params, _ = mixed_workload(5)
+    want = LLM(model_path, dtype="float32", max_model_len=128).generate(prompts, params, use_tqdm=False)
     llm = LLM(model_path, dtype="float32", max_model_len=128, async_scheduling=True)
-    with pytest.raises(ValueError, match="async scheduling"):
-        llm.generate(rand_prompts(1, 0), greedy(SPECS["choice"]), use_tqdm=False)
-    llm.generate(rand_prompts(2, 0), SamplingParams(max_tokens=4), use_tqdm=False)
+    engine = llm.engine
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("free-before", rand_prompts(1, 9)[0], free)
+    engine.step()
+    assert engine.engine_core._in_flight is not None  # an async step is in flight when the constrained ones come
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    engine.add_request("free-after", rand_prompts(1, 10)[0], free)
+    engine.step()
+    assert engine.engine_core._in_flight is not None  # async again
+    while engine.has_unfinished_requests():
+        engine.step()
     assert_all_blocks_free(llm)
 
 

@@ -117,6 +117,32 @@ def test_gpu_takes_swap_offload_and_model_speculation(tiny_model_factory, monkey
     assert config.speculative.draft.device == "cuda"
 
 
+def test_gpu_defaults_async_scheduling_and_a_small_serving_budget(tiny_model_factory, monkeypatch):
+    """On a GPU, async scheduling is on unless asked off or excluded (it is off on the CPU); a server on a GPU
+    prefills in chunks of 384 tokens a step, an offline engine in 2048."""
+    path = tiny_model_factory("llama-gqa-untied")
+    cpu = EngineArgs(model=path, device="cpu").create_engine_config(serving=True)
+    assert not cpu.scheduler.async_scheduling and cpu.scheduler.max_num_batched_tokens == 2048
+    monkeypatch.setattr(arg_utils, "resolve_device", lambda device: "cuda")
+    offline = EngineArgs(model=path, dtype="bfloat16").create_engine_config()
+    assert offline.scheduler.async_scheduling and offline.scheduler.max_num_batched_tokens == 2048
+    served = EngineArgs(model=path, dtype="bfloat16").create_engine_config(serving=True)
+    assert served.scheduler.async_scheduling and served.scheduler.max_num_batched_tokens == 384
+    asked_off = EngineArgs(model=path, dtype="bfloat16", async_scheduling=False).create_engine_config()
+    assert not asked_off.scheduler.async_scheduling
+    speculating = EngineArgs(
+        model=path, dtype="bfloat16", speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+    ).create_engine_config()
+    assert not speculating.scheduler.async_scheduling  # excluded: the default does not turn it on
+    with pytest.raises(ValueError, match="async_scheduling does not work with speculative decoding"):
+        EngineArgs(
+            model=path,
+            dtype="bfloat16",
+            async_scheduling=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        ).create_engine_config()
+
+
 @pytest.mark.parametrize(
     "options,message",
     [
