@@ -239,7 +239,7 @@ def stage_breakdown(
         attention_backend="triton",
         kv_prefault="off",
     )
-    runner = llm.engine.engine_core.runner
+    runner = llm.engine.engine_core.executor.driver_runner
     fill_pool_randomly(runner)
     step = DecodeStep(runner, contexts)
     model = runner.model

@@ -134,7 +134,7 @@ def test_gpu_defaults_async_scheduling_and_a_small_serving_budget(tiny_model_fac
         model=path, dtype="bfloat16", speculative_config={"method": "ngram", "num_speculative_tokens": 2}
     ).create_engine_config()
     assert not speculating.scheduler.async_scheduling  # excluded: the default does not turn it on
-    with pytest.raises(ValueError, match="async_scheduling does not work with speculative decoding"):
+    with pytest.raises(ValueError, match="async_scheduling with speculative decoding: the next step"):
         EngineArgs(
             model=path,
             dtype="bfloat16",
