@@ -1,11 +1,12 @@
 """The pool connector's scheduler side: what the shared pool holds for a prompt, what to load, what to write.
 
 Lookups. After the local prefix cache misses, the prompt's next blocks are looked up in the store on a background
-thread (every tensor-parallel rank's part of each block must be there); until the answer is in, the request is
-passed over ("ask again"), keeping its place while others run, and an idle engine waits for the answer rather than
-spin (`wait_for_lookups`). A lookup that takes longer than `lookup_timeout_s` is a miss, and the pool is then left
-alone for a few seconds (a store that is down costs each request nothing). The answer is used once, within a
-second: the pool may evict at any time, so a hit is only a hint and a failed load is recomputed.
+thread (every tensor-parallel rank's part of each block must be there). The scheduler waits a few milliseconds for
+the answer (a healthy store gives it in one or two); a slower one passes the request over ("ask again"), keeping
+its place while others run, and an idle engine waits for the answer rather than spin (`wait_for_lookups`). A lookup
+that takes longer than `lookup_timeout_s` is a miss, and the pool is then left alone for a few seconds (a store
+that is down costs each request nothing). The answer is used once, within a second: the pool may evict at any time,
+so a hit is only a hint and a failed load is recomputed.
 
 Loads are asynchronous (the request waits in WAITING_FOR_REMOTE_KVS while the worker's I/O thread fetches its
 blocks into the request's fresh blocks). Saves are written through: every block full of computed tokens that
@@ -22,6 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from kvserve.config import KVTransferConfig
@@ -37,6 +39,7 @@ MEDIUM_POOL = "pool"
 _ANSWER_TTL_S = 1.0  # a lookup's answer is used within this long, or asked again
 _BACKOFF_S = 5.0  # after a failed or slow lookup, the pool is not asked for this long
 _KNOWN_CAPACITY = 1 << 16  # hashes remembered as stored (so they are not written again)
+_INLINE_WAIT_S = 0.005  # how long a lookup is waited for before the request is passed over ("ask again")
 
 
 @dataclass
@@ -130,9 +133,15 @@ class PoolConnectorScheduler(KVConnectorScheduler):
                 return 0, False
             hashes = [h.hex() for h in request.block_hashes[start:end]]
             self._answered.clear()
-            self._lookups[request.request_id] = _Lookup(self._executor.submit(self._lookup, hashes), start, now)
+            entry = _Lookup(self._executor.submit(self._lookup, hashes), start, now)
+            self._lookups[request.request_id] = entry
             self.counters["lookups"] += 1
-            return None, False
+            # A healthy store answers within a millisecond or two: wait that long here, so that the request is
+            # admitted in this very step; a slower answer is asked for again at the next step.
+            try:
+                entry.future.result(timeout=_INLINE_WAIT_S)
+            except FutureTimeout:
+                return None, False
         if not entry.future.done():
             if now - entry.asked > self.options.lookup_timeout_s:
                 # Slow store: a miss now, and no more lookups for a while (the thread is still busy with this one).
