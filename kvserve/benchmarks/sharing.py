@@ -42,6 +42,14 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def router_reasons(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^kvserve_router_requests_total\{[^}]*reason="([^"]+)"[^}]*\} (\S+)$', text, re.M):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
@@ -143,6 +151,7 @@ class RoutingResult:
     hit_local: float  # fraction of prompt tokens found in the instance's own prefix cache
     hit_pool: float  # ... loaded from the shared pool
     miss: float  # ... computed
+    reasons: dict[str, float]  # the router's decisions by reason (cache, balance, round_robin, ...)
 
 
 def _conversations(ns: argparse.Namespace) -> list[list[tuple[list[int], int]]]:
@@ -187,6 +196,7 @@ def run_routing(ns: argparse.Namespace) -> int:
             before = [scrape(u) for u in cluster.instance_urls]
             results, duration = asyncio.run(_chat_load(cluster.router_url, system, conversations, ns.concurrency))
             after = [scrape(u) for u in cluster.instance_urls]
+            reasons = router_reasons(cluster.router_url)
         finally:
             cluster.stop()
         queries = sum(
@@ -213,6 +223,7 @@ def run_routing(ns: argparse.Namespace) -> int:
             local / queries if queries else 0.0,
             pooled / queries if queries else 0.0,
             max(0.0, 1 - (local + pooled) / queries) if queries else 0.0,
+            reasons,
         )
         out.append(row)
         print(f"{spec}: {row}", flush=True)

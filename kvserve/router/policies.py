@@ -2,12 +2,13 @@
 
 - `round_robin`: in turn.
 - `least_loaded`: the fewest load tokens (the router's own account: instances.py).
-- `cache_aware`: the lowest cost, where cost = the prompt's blocks the instance would have to prefill (blocks held
-  in its own pool or tiers cost nothing, blocks in the shared pool `pool_block_cost` of one) times the block size,
-  plus its load tokens; when the loads are unbalanced (the busiest above `balance_abs_tokens` and above
-  `balance_ratio` x the idlest) it falls back to the least loaded instance, so a hot prefix cannot pile all the
-  work onto one instance (SGLang's router does the same). Without index answers (no index, or the index is down)
-  it is `least_loaded`, and no request fails for it.
+- `cache_aware` (SGLang's rule, with the shared pool added): while the loads are balanced, the instance that would
+  prefill the fewest of the prompt's blocks (blocks in its own pool or tiers cost nothing, blocks the shared pool
+  holds `pool_block_cost` of one), the least loaded among equals; when the loads are unbalanced (the busiest above
+  `balance_abs_tokens` and above `balance_ratio` x the idlest) the least loaded instance, so a hot prefix cannot
+  pile all the work onto one instance. Without index answers (no index, or the index is down) it is
+  `least_loaded`, and no request fails for it. (Adding the load to the prefill cost instead moved conversations
+  off their instance whenever it was briefly busier, and lost most of the hits: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -85,15 +86,14 @@ class CacheAware:
         if max(loads) > cfg.balance_abs_tokens and max(loads) > cfg.balance_ratio * (min(loads) + 1):
             return self.least_loaded.choose(candidates, route, "balance")
         num_blocks = len(route.block_hashes)
-        block_size = route.block_size
-        best, best_cost, best_cached = None, float("inf"), 0
+        best, best_key, best_cached = None, None, 0
         for inst, load in zip(candidates, loads, strict=True):
             local = min(route.local_hits.get(inst.name, 0), num_blocks)
             pooled = max(0, min(route.pool_hits, num_blocks) - local)
             uncached = num_blocks - local - pooled
-            cost = (uncached + cfg.pool_block_cost * pooled) * block_size + load
-            if cost < best_cost:
-                best, best_cost, best_cached = inst, cost, local + pooled
+            key = (uncached + cfg.pool_block_cost * pooled, load)
+            if best_key is None or key < best_key:
+                best, best_key, best_cached = inst, key, local + pooled
         assert best is not None
         return Decision(best, "cache", best_cached)
 

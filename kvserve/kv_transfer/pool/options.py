@@ -55,7 +55,8 @@ class PoolOptions:
             raise ValueError("kv_transfer_config: the valkey pool needs 'url' (redis://host:port/db)")
         try:
             lend = parse_bytes(opts.get("lend_bytes", 0))
-            staging = parse_bytes(opts.get("staging_bytes", "64MiB"))
+            # Room for every block a 2048-token step fills, several times over (pages are touched only when used).
+            staging = parse_bytes(opts.get("staging_bytes", "256MiB"))
         except ValueError as e:
             raise ValueError(f"kv_transfer_config: bad byte size ({e})") from None
         timeout = float(opts.get("lookup_timeout_s", 2.0))

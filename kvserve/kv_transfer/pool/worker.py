@@ -174,9 +174,15 @@ class PoolConnectorWorker(KVConnectorWorker):
         saves, self._pending_saves = self._pending_saves, []
         if not saves:
             return
-        slots = self._slots(len(saves))
-        if not slots:  # the staging buffer is busy: these saves are dropped (the pool is a cache)
-            self._puts.append(_done(([], [h for _, h in saves])))
+        # As many as there are free slots, leading blocks first (a chain is only found from its start); the rest
+        # are dropped (the pool is a cache) and reported so.
+        with self._lock:
+            n = min(len(saves), len(self._free))
+        slots = self._slots(n)
+        if n < len(saves):
+            self._puts.append(_done(([], [h for _, h in saves[n:]])))
+            saves = saves[:n]
+        if not saves:
             return
         for (block_id, _), slot in zip(saves, slots, strict=True):
             for pool, part in zip(self.pools, self._parts(slot), strict=True):
