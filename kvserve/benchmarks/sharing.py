@@ -4,7 +4,8 @@
   the pool); instance B then answers the same prompt loading them from the pool. B's time to first token against
   B recomputing a prompt of the same length, and B's output against A's, over --repeat prompts.
 - `kvserve bench routing`: a multi-turn chat workload (conversations sharing a system prompt, each turn resending
-  the history, each conversation waiting for its reply before its next turn) through the router, once per
+  the history with the model's own replies, each conversation waiting for its reply before its next turn) through
+  the router, once per
   configuration (policy and pool); hit rates by tier (the instances' own caches, the pool, recomputed), TTFT
   mean and p99, and output throughput, in one table.
 """
@@ -18,12 +19,11 @@ import random
 import re
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from kvserve.benchmarks.datasets import BenchRequest
-from kvserve.benchmarks.serve import _one, _stats
+from kvserve.benchmarks.serve import _stats
 from kvserve.cluster.launch import ClusterConfig, LocalCluster
 
 
@@ -54,12 +54,43 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
 
-async def _stream(url: str, prompt: list[int], max_tokens: int, tag: str = "req"):
+@dataclass
+class _Turn:
+    ttft: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+async def _stream(session, url: str, prompt: list[int], max_tokens: int) -> _Turn:
+    """One streamed completion: its time to first token and its generated token ids (return_token_ids)."""
     import aiohttp
 
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        return await _one(session, f"{url}/v1/completions", None, BenchRequest(prompt, max_tokens, tag), {})
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body["return_token_ids"] = True
+    turn, start = _Turn(), time.perf_counter()
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                turn.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return turn
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: {"):
+                    continue
+                msg = json.loads(line[6:])
+                if "error" in msg:
+                    turn.error = str(msg["error"])[:200]
+                    return turn
+                for choice in msg.get("choices") or []:
+                    ids = choice.get("token_ids") or []
+                    if ids and not turn.output_ids:
+                        turn.ttft = time.perf_counter() - start
+                    turn.output_ids += ids
+    except (TimeoutError, aiohttp.ClientError) as e:
+        turn.error = f"{type(e).__name__}: {e}"
+    if not turn.output_ids and turn.error is None:
+        turn.error = "no tokens streamed"
+    return turn
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int) -> tuple[float, str]:
@@ -163,23 +194,29 @@ def _conversations(ns: argparse.Namespace) -> list[list[tuple[list[int], int]]]:
     ]
 
 
-async def _chat_load(router: str, system: list[int], conversations, concurrency: int) -> tuple[list, float]:
-    rng = random.Random(1)
+async def _chat_load(router: str, system: list[int], conversations, concurrency: int) -> tuple[list[_Turn], float]:
+    """Every conversation in turn order, each turn sent once the previous one's reply is in; a turn resends the
+    history: the system prompt, every earlier user message and the model's own replies (their token ids, as a
+    chat client resends the assistant's messages)."""
+    import aiohttp
+
     limit = asyncio.Semaphore(concurrency)
-    results = []
+    results: list[_Turn] = []
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
 
-    async def conversation(turns):
-        history = list(system)
-        for turn, (user, reply_len) in enumerate(turns):
-            prompt = history + user
-            async with limit:
-                results.append(await _stream(router, prompt, reply_len, f"turn{turn}"))
-            # The next turn resends this exchange (the reply is synthetic: the same length a model would write).
-            history = prompt + _tokens(rng, reply_len)
+        async def conversation(turns):
+            history = list(system)
+            for user, reply_len in turns:
+                prompt = history + user
+                async with limit:
+                    turn = await _stream(session, router, prompt, reply_len)
+                results.append(turn)
+                history = prompt + turn.output_ids
 
-    start = time.perf_counter()
-    await asyncio.gather(*(conversation(c) for c in conversations))
-    return results, time.perf_counter() - start
+        start = time.perf_counter()
+        await asyncio.gather(*(conversation(c) for c in conversations))
+        return results, time.perf_counter() - start
 
 
 def run_routing(ns: argparse.Namespace) -> int:
@@ -212,12 +249,13 @@ def run_routing(ns: argparse.Namespace) -> int:
         )
         ok = [r for r in results if r.error is None]
         ttft = _stats([r.ttft for r in ok])
+        out_tokens = sum(len(r.output_ids) for r in ok)
         row = RoutingResult(
             spec,
             len(results),
             len(results) - len(ok),
             duration,
-            sum(r.output_len for r in ok) / duration,
+            out_tokens / duration,
             ttft["mean"],
             ttft["p99"],
             local / queries if queries else 0.0,
@@ -267,9 +305,9 @@ def add_parsers(sub) -> None:
     r.add_argument("--conversations", type=int, default=32)
     r.add_argument("--turns", type=int, default=6)
     r.add_argument("--system-len", type=int, default=256)
-    r.add_argument("--user-len", type=int, nargs=2, default=(64, 192))
-    r.add_argument("--reply-len", type=int, nargs=2, default=(64, 160))
-    r.add_argument("--concurrency", type=int, default=16, help="most requests in flight")
+    r.add_argument("--user-len", type=int, nargs=2, default=(32, 96))
+    r.add_argument("--reply-len", type=int, nargs=2, default=(96, 192))
+    r.add_argument("--concurrency", type=int, default=8, help="most requests in flight")
     r.add_argument("--block-size", type=int, default=16, help="the instances' block size")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--json", default=None)

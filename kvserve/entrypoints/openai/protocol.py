@@ -141,6 +141,7 @@ class CompletionRequest(SamplingFields):
     prompt: PromptField
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
+    return_token_ids: bool = False  # vLLM's: each choice also carries its generated token ids
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
 
@@ -166,6 +167,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids (in a stream: this chunk's)
 
 
 class UsageInfo(BaseModel):

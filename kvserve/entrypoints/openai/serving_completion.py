@@ -109,6 +109,7 @@ class CompletionHandler:
                         logprobs=self._logprobs(c, len(echo)) if req.logprobs is not None else None,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        token_ids=list(c.token_ids) if req.return_token_ids else None,
                     )
                 )
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -173,6 +174,7 @@ class CompletionHandler:
                                 logprobs=logprobs,
                                 finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason,
+                                token_ids=list(c.token_ids) if req.return_token_ids else None,
                             )
                         ],
                     )
