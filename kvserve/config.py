@@ -53,6 +53,11 @@ class ModelConfig:
     attention_backend: str = "auto"
     # GPU only: run every step eagerly, without captured CUDA graphs for decode batches.
     enforce_eager: bool = False
+    # Deterministic (batch-invariant) inference: a request's tokens and logprobs do not depend on the batch, the
+    # chunking of its prompt or where its KV came from (kvserve/layers/batch_invariant.py). True: required (the
+    # engine refuses to start where it cannot hold); False: off (the fastest paths); None: on where it costs
+    # nothing measurable (the CPU with the C++ kernels), off elsewhere.
+    deterministic: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,10 @@ class EngineArgs:
     enforce_eager (GPU): no CUDA graphs. load_format: "auto" (the checkpoint) or "dummy" (random weights, for
     benchmarks). attention_backend: "auto", "triton" (GPU, or the CPU under TRITON_INTERPRET=1), "cpu" (C++
     kernels) or "torch" (the reference).
+    deterministic: batch-invariant inference, a request's tokens and logprobs independent of the batch, of its
+    prompt's chunking and of where its KV came from (README, "Deterministic inference"). True: required (refused
+    where it cannot hold: the GPU, the pure-torch paths); False: off; None (default): on where it costs nothing, the
+    CPU with the C++ kernels. VLLM_BATCH_INVARIANT=1 in the environment means True when this is None.
     """
 
     model: str | None = None  # None: the embedded default model
@@ -153,6 +157,7 @@ class EngineArgs:
     enforce_eager: bool = False
     load_format: str = "auto"  # "auto" | "dummy" (random weights)
     attention_backend: str = "auto"  # "auto" | "triton" | "cpu" | "torch"
+    deterministic: bool | None = None  # None: on where it costs nothing (VLLM_BATCH_INVARIANT=1: True)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -222,6 +227,7 @@ class EngineArgs:
             load_format=self.load_format,
             attention_backend=self.attention_backend,
             enforce_eager=bool(self.enforce_eager),
+            deterministic=self._deterministic(),
         )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
@@ -273,6 +279,14 @@ class EngineArgs:
             parallel=self._parallel_config(arch, model.quantization, speculative),
         )
 
+    def _deterministic(self) -> bool | None:
+        """The deterministic option, or vLLM's VLLM_BATCH_INVARIANT=1 when it is left unset."""
+        if self.deterministic is None and os.environ.get("VLLM_BATCH_INVARIANT", "").strip() == "1":
+            return True
+        if self.deterministic is not None and not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True, False or None, got {self.deterministic!r}")
+        return self.deterministic
+
     def _check_device_options(self, model: ModelConfig, speculative: SpeculativeConfig | None) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
@@ -283,6 +297,11 @@ class EngineArgs:
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+        if model.deterministic and model.attention_backend == "torch":
+            raise ValueError(
+                "deterministic inference needs the C++ CPU attention kernels: the torch reference attention is not "
+                "batch-invariant (use attention_backend auto or cpu, or deterministic=False)"
+            )
         if not model.device.startswith("cuda"):
             return
         # What the GPU path does not cover yet, refused before anything loads.
@@ -293,6 +312,8 @@ class EngineArgs:
             unsupported.append(f"quantization {model.quantization} (CPU int8 kernels)")
         if self.attention_backend in ("cpu", "torch"):
             unsupported.append(f"attention_backend {self.attention_backend} (CPU backends)")
+        if model.deterministic:
+            unsupported.append("deterministic (the Triton attention and cuBLAS GEMMs are not batch-invariant yet)")
         if unsupported:
             raise ValueError(f"device {model.device}: not supported on the GPU yet: {'; '.join(unsupported)}")
 
@@ -322,6 +343,11 @@ class EngineArgs:
             raise ValueError(
                 "kv_transfer_config and preemption_mode='swap' need the uniproc executor (tensor_parallel_size 1) "
                 "for now"
+            )
+        if tp > 1 and self._deterministic():
+            raise ValueError(
+                "deterministic inference is not supported with tensor_parallel_size > 1 yet (the all-reduce of big "
+                "tensors sums in an order that follows their size)"
             )
         if tp > 1 and speculative is not None and speculative.method != "ngram":
             raise ValueError(
@@ -424,6 +450,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=ATTENTION_BACKENDS,
         default=d.attention_backend,
         help="auto (GPU: triton; CPU: the C++ kernels, else torch), triton, cpu, torch",
+    )
+    g.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="batch-invariant inference: a request's tokens and logprobs do not depend on the batch, the prompt's "
+        "chunking or the prefix cache (default: on where it costs nothing, the CPU with the C++ kernels; "
+        "VLLM_BATCH_INVARIANT=1 turns it on)",
     )
     g.add_argument(
         "--quantization",

@@ -39,6 +39,7 @@ from kvserve.core.spec_decode import SpecDecodePolicy
 from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.distributed.sharding import head_slice
 from kvserve.kv_transfer.base import KVConnectorInfo
+from kvserve.layers.batch_invariant import resolve_deterministic
 from kvserve.layers.quant.apply import model_weight_bytes
 from kvserve.loader.model_loader import load_model
 from kvserve.outputs import ModelRunnerOutput
@@ -131,11 +132,21 @@ class ModelRunner:
         # This rank's heads: the attention backend and the KV cache see only them.
         heads = head_slice(arch.num_attention_heads, arch.num_key_value_heads, tp.world_size, tp.rank)
         self.attn_backend = get_attn_backend(
-            heads.num_heads, heads.num_kv_heads, arch.head_dim, self.dtype, self.device, model_config.attention_backend
+            heads.num_heads,
+            heads.num_kv_heads,
+            arch.head_dim,
+            self.dtype,
+            self.device,
+            model_config.attention_backend,
+            model_config.deterministic,
         )
         start = time.perf_counter()
         self.model = load_model(model_config, self.attn_backend)
         logger.info("loaded %s in %.1fs", model_config.model, time.perf_counter() - start)
+        # "on" or "off (why)"; raises if deterministic=True cannot hold here.
+        self.deterministic = resolve_deterministic(
+            model_config.deterministic, self.model, self.attn_backend, self.block_size
+        )
         self.weight_bytes = model_weight_bytes(self.model)
         weights = f"{model_config.quantization or model_config.dtype} weights {self.weight_bytes / 2**20:.0f} MiB"
         # Its own logger, which the CLI shows even without -v: what the platform chose is worth one line always.
@@ -145,6 +156,7 @@ class ModelRunner:
                 torch.get_num_threads(),
                 self.attn_backend.describe(self.block_size),
                 model_config.device,
+                self.deterministic,
             )
         )
         self.vocab_size = arch.vocab_size
@@ -189,7 +201,7 @@ class ModelRunner:
         layout_id = (
             f"{model_config.path}|{model_config.dtype}|{model_config.quantization}|"
             f"{self.attn_backend.describe(self.block_size)}|{self.attn_backend.kv_cache_shape(1, self.block_size)}"
-            f"|layers={num_layers}"
+            f"|layers={num_layers}|deterministic={self.deterministic == 'on'}"
         )
         if isinstance(self.proposer, ModelProposer):
             layout_id += f"|draft={self.proposer.layout_id()}"

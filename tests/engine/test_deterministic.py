@@ -39,7 +39,8 @@ TARGET = random_tokens(PROMPT_LEN, 32)
 
 def result(out) -> Result:
     c = out.outputs[0]
-    return list(c.token_ids), [sorted((t, lp.logprob) for t, lp in pos.items()) for pos in c.logprobs]
+    logprobs = [sorted((t, lp.logprob) for t, lp in pos.items()) for pos in c.logprobs or []]
+    return list(c.token_ids), logprobs
 
 
 def run_alone(llm: LLM, prompt: list[int] = TARGET) -> dict[str, Result]:
@@ -165,6 +166,51 @@ def test_disk_tier_loads_do_not_change_the_output(model_path, dtype, reference, 
     assert run_alone(second) == reference
     assert second.stats()["kv_transfer"]["disk_hit_blocks"] >= PROMPT_LEN // 16 - 1
     second.engine.engine_core.shutdown()
+
+
+def test_without_the_mode_a_big_chunk_changes_the_fp32_output(model_path):
+    """deterministic=False sends a big chunk (the one-step prefill) to SDPA where the cache has the standard layout
+    (fp32): the same prompt in chunks of 256 then gets other logprobs. This is what the tests above catch."""
+    whole = LLM(model_path, dtype="float32", enable_prefix_caching=False, deterministic=False)
+    chunked = LLM(
+        model_path, dtype="float32", enable_prefix_caching=False, deterministic=False, max_num_batched_tokens=256
+    )
+    assert run_alone(whole) != run_alone(chunked)
+
+
+def startup_line(caplog) -> str:
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvserve platform")]
+    assert len(lines) == 1
+    caplog.clear()
+    return lines[0]
+
+
+def test_the_startup_line_says_whether_inference_is_deterministic(model_path, caplog, monkeypatch):
+    with caplog.at_level("INFO", logger="kvserve.startup"):
+        LLM(model_path, dtype="float32", max_model_len=64)
+        assert startup_line(caplog).endswith("; deterministic=on")
+        LLM(model_path, dtype="float32", max_model_len=64, deterministic=False)
+        assert startup_line(caplog).endswith("; deterministic=off")
+        # By default the torch reference attention (not batch-invariant) turns it off, and says why.
+        LLM(model_path, dtype="float32", max_model_len=64, attention_backend="torch")
+        assert startup_line(caplog).endswith(
+            "; deterministic=off (attention (pure torch (no C++ kernels)) not batch-invariant)"
+        )
+
+
+def test_deterministic_is_refused_where_it_cannot_hold(model_path, monkeypatch):
+    with pytest.raises(ValueError, match="torch reference attention is not batch-invariant"):
+        LLM(model_path, dtype="float32", attention_backend="torch", deterministic=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        LLM(model_path, dtype="float32", tensor_parallel_size=2, deterministic=True)
+    # vLLM's switch means deterministic=True.
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    with pytest.raises(ValueError, match="torch reference attention is not batch-invariant"):
+        LLM(model_path, dtype="float32", attention_backend="torch")
+    # Without the C++ kernels (no compiler, or KVSERVE_CPU_KERNELS=0).
+    monkeypatch.setattr("kvserve.attention.selector.load_cpu_kernels", lambda: None)
+    with pytest.raises(ValueError, match="needs the C.. CPU kernels"):
+        LLM(model_path, dtype="float32")
 
 
 @pytest.mark.slow
