@@ -99,7 +99,8 @@ class CpuKernelAttentionBackend(AttentionBackend):
     def describe(self, block_size: int) -> str:
         """Which kernels run attention (and the elementwise ops and sampling, which share the build)."""
         layout = ", pair-packed bf16 KV" if self.uses_packed_layout(block_size) else ""
-        return f"C++ {kernel_isa()}{layout}"
+        sdpa = "" if self.batch_invariant(block_size) else ", big chunks via SDPA"
+        return f"C++ {kernel_isa()}{layout}{sdpa}"
 
     def batch_invariant(self, block_size: int) -> bool:
         return self.deterministic or self.uses_packed_layout(block_size)

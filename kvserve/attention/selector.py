@@ -4,8 +4,9 @@ kernels in Triton's interpreter: tests only, with TRITON_INTERPRET=1 set before 
 runner asks here; models only see the AttentionBackend interface.
 
 `deterministic` (ModelConfig.deterministic): True asks for a batch-invariant backend and is refused where none
-runs (the Triton kernels, the torch reference); False lets the C++ backend send big chunks to SDPA where that is
-faster; None is True where it costs nothing (the C++ backend) and False elsewhere."""
+runs (the Triton kernels, the torch reference); False and None let the C++ backend send big chunks to SDPA where
+that is faster (fp32 and the standard layout; the pair-packed bf16 layout is batch-invariant and fastest in either
+case: docs/benchmarks.md, "Deterministic inference")."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def get_attn_backend(
     kernels = load_cpu_kernels()
     if kernels is not None:
         return CpuKernelAttentionBackend(
-            num_heads, num_kv_heads, head_dim, dtype, kernels, deterministic=deterministic is not False
+            num_heads, num_kv_heads, head_dim, dtype, kernels, deterministic=bool(deterministic)
         )
     if name == "cpu":
         raise ValueError("attention_backend cpu: the C++ CPU kernels did not build (see the log); use auto or torch")

@@ -121,8 +121,9 @@ class EngineArgs:
     kernels) or "torch" (the reference).
     deterministic: batch-invariant inference, a request's tokens and logprobs independent of the batch, of its
     prompt's chunking and of where its KV came from (README, "Deterministic inference"). True: required (refused
-    where it cannot hold: the GPU, the pure-torch paths); False: off; None (default): on where it costs nothing, the
-    CPU with the C++ kernels. VLLM_BATCH_INVARIANT=1 in the environment means True when this is None.
+    where it cannot hold: the GPU, the pure-torch paths, TP > 1); False: off; None (default): on where it costs
+    nothing (bf16 with the C++ kernels on CPUs with AVX512-BF16), off elsewhere (in fp32 it costs 5-13% on long
+    prompts). VLLM_BATCH_INVARIANT=1 in the environment means True when this is None.
     """
 
     model: str | None = None  # None: the embedded default model
@@ -456,8 +457,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="batch-invariant inference: a request's tokens and logprobs do not depend on the batch, the prompt's "
-        "chunking or the prefix cache (default: on where it costs nothing, the CPU with the C++ kernels; "
-        "VLLM_BATCH_INVARIANT=1 turns it on)",
+        "chunking or the prefix cache (default: on where it costs nothing, bf16 on CPUs with AVX512-BF16; off in "
+        "fp32, where it slows long prompts; VLLM_BATCH_INVARIANT=1 turns it on)",
     )
     g.add_argument(
         "--quantization",

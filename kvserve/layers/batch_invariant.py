@@ -43,8 +43,9 @@ def resolve_deterministic(requested: bool | None, model: nn.Module, backend: Att
     """The mode's state for the start-up line: "on", or "off (why)".
 
     `requested` True: every part must be batch-invariant, else ValueError naming the parts that are not. None
-    (the default): on where nothing stands in the way, off (naming the first obstacle) elsewhere. False: off,
-    though the model may be batch-invariant anyway (the pair-packed bf16 attention is, in either mode)."""
+    (the default): on where every part is batch-invariant without being asked (the C++ kernels with the pair-packed
+    bf16 cache), off (naming the first obstacle) elsewhere. False: off, though the model may be batch-invariant
+    anyway (the pair-packed bf16 attention is, in either mode)."""
     if requested is False:
         return "off"
     parts = non_invariant_parts(model, backend, block_size)

@@ -14,6 +14,7 @@ import random
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.kernels.cpu import kernel_isa
 from tests.conftest import assert_all_blocks_free
 
 MODEL = "llama-hd64-long"
@@ -64,18 +65,18 @@ def dtype(request) -> str:
 @pytest.fixture(scope="module")
 def reference(model_path, dtype) -> dict[str, Result]:
     """The target alone on a fresh engine: its whole prompt in one step, nothing cached."""
-    llm = LLM(model_path, dtype=dtype, enable_prefix_caching=False)
+    llm = LLM(model_path, dtype=dtype, deterministic=True, enable_prefix_caching=False)
     return run_alone(llm)
 
 
 @pytest.mark.parametrize("budget", [16, 256, 2048])
 def test_chunk_budget_does_not_change_the_output(model_path, dtype, reference, budget):
-    llm = LLM(model_path, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=budget)
+    llm = LLM(model_path, dtype=dtype, deterministic=True, enable_prefix_caching=False, max_num_batched_tokens=budget)
     assert run_alone(llm) == reference
 
 
 def test_prefix_hits_do_not_change_the_output(model_path, dtype, reference):
-    llm = LLM(model_path, dtype=dtype)
+    llm = LLM(model_path, dtype=dtype, deterministic=True)
     # A prompt sharing the target's first 1,000 tokens: the target then finds 62 blocks cached and computes the
     # rest, 508 tokens, in one chunk.
     llm.generate({"prompt_token_ids": TARGET[:1000] + random_tokens(300, 1)}, GREEDY, use_tqdm=False)
@@ -123,11 +124,11 @@ def test_a_batch_of_mixed_requests_does_not_change_the_output(model_path, dtype,
     prompts, params = mixed_batch(5)
     # Step by step in two arrangements: the batch in order with the default budget, and reversed with a budget
     # of 256 tokens (other chunk boundaries, other neighbours, other row counts in every kernel call).
-    first = LLM(model_path, dtype=dtype, max_num_seqs=32)
+    first = LLM(model_path, dtype=dtype, deterministic=True, max_num_seqs=32)
     outs = [result(o) for o in first.generate(prompts, params, use_tqdm=False)]
     assert outs[11] == reference["greedy"]
     assert outs[23] == reference["seeded"]
-    second = LLM(model_path, dtype=dtype, max_num_seqs=32, max_num_batched_tokens=256)
+    second = LLM(model_path, dtype=dtype, deterministic=True, max_num_seqs=32, max_num_batched_tokens=256)
     outs_reversed = [result(o) for o in second.generate(prompts[::-1], params[::-1], use_tqdm=False)][::-1]
     # Every greedy or seeded request (not the unseeded ones, whose keys come from the engine's shared generator).
     for i, p in enumerate(params):
@@ -143,6 +144,7 @@ def test_swap_preemption_does_not_change_the_output(model_path, dtype, reference
     llm = LLM(
         model_path,
         dtype=dtype,
+        deterministic=True,
         enable_prefix_caching=False,
         num_kv_blocks=150,
         preemption_mode="swap",
@@ -158,14 +160,39 @@ def test_swap_preemption_does_not_change_the_output(model_path, dtype, reference
 
 def test_disk_tier_loads_do_not_change_the_output(model_path, dtype, reference, tmp_path):
     config = {"kv_connector": "offload", "cpu_bytes": 1 << 20, "disk_path": str(tmp_path)}
-    first = LLM(model_path, dtype=dtype, kv_transfer_config=config)
+    first = LLM(model_path, dtype=dtype, deterministic=True, kv_transfer_config=config)
     first.generate({"prompt_token_ids": TARGET}, GREEDY, use_tqdm=False)
     first.engine.engine_core.shutdown()  # lets queued disk writes finish
     # A restarted engine: an empty pool and RAM tier, the prompt's blocks on disk.
-    second = LLM(model_path, dtype=dtype, kv_transfer_config=config)
+    second = LLM(model_path, dtype=dtype, deterministic=True, kv_transfer_config=config)
     assert run_alone(second) == reference
     assert second.stats()["kv_transfer"]["disk_hit_blocks"] >= PROMPT_LEN // 16 - 1
     second.engine.engine_core.shutdown()
+
+
+def test_the_thread_count_does_not_change_the_output(model_path, dtype, reference):
+    # One thread (every kernel's split over threads differs), then the automatic count again for the next tests.
+    try:
+        assert (
+            run_alone(LLM(model_path, dtype=dtype, deterministic=True, enable_prefix_caching=False, num_threads=1))
+            == reference
+        )
+    finally:
+        LLM(model_path, dtype=dtype, deterministic=True, max_model_len=64)
+
+
+def test_ngram_speculation_does_not_change_the_output(tiny_model_factory, dtype):
+    """Drafts verified k + 1 positions at a time (a small chunk per request): the same tokens and logprobs as one
+    token per step. (A model whose greedy outputs loop, so that prompt lookup drafts.)"""
+    path = tiny_model_factory("llama-loops")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    plain = LLM(path, dtype=dtype, deterministic=True, max_model_len=512)
+    speculative = LLM(path, dtype=dtype, deterministic=True, max_model_len=512, speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": random_tokens(n, n)} for n in (5, 40, 300)]
+    expected = [result(o) for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [result(o) for o in speculative.generate(prompts, params, use_tqdm=False)] == expected
+    assert speculative.stats()["spec_decoding"]["num_accepted_tokens"] > 0
 
 
 def test_without_the_mode_a_big_chunk_changes_the_fp32_output(model_path):
@@ -185,13 +212,23 @@ def startup_line(caplog) -> str:
     return lines[0]
 
 
-def test_the_startup_line_says_whether_inference_is_deterministic(model_path, caplog, monkeypatch):
+def test_the_startup_line_says_whether_inference_is_deterministic(model_path, caplog):
+    isa = kernel_isa()
     with caplog.at_level("INFO", logger="kvserve.startup"):
-        LLM(model_path, dtype="float32", max_model_len=64)
-        assert startup_line(caplog).endswith("; deterministic=on")
+        LLM(model_path, dtype="float32", max_model_len=64, deterministic=True)
+        assert startup_line(caplog).endswith(f"; kernels=C++ {isa}; deterministic=on")
         LLM(model_path, dtype="float32", max_model_len=64, deterministic=False)
-        assert startup_line(caplog).endswith("; deterministic=off")
-        # By default the torch reference attention (not batch-invariant) turns it off, and says why.
+        assert startup_line(caplog).endswith(f"; kernels=C++ {isa}, big chunks via SDPA; deterministic=off")
+        # By default: on where it costs nothing (the pair-packed bf16 cache), else off, saying why.
+        LLM(model_path, dtype="float32", max_model_len=64)
+        assert startup_line(caplog).endswith(
+            f"; deterministic=off (attention (C++ {isa}, big chunks via SDPA) not batch-invariant)"
+        )
+        LLM(model_path, dtype="bfloat16", max_model_len=64)
+        if isa == "avx512_bf16":
+            assert startup_line(caplog).endswith("; kernels=C++ avx512_bf16, pair-packed bf16 KV; deterministic=on")
+        else:
+            assert startup_line(caplog).endswith(" not batch-invariant)")
         LLM(model_path, dtype="float32", max_model_len=64, attention_backend="torch")
         assert startup_line(caplog).endswith(
             "; deterministic=off (attention (pure torch (no C++ kernels)) not batch-invariant)"
@@ -218,8 +255,14 @@ def test_the_embedded_model_answers_the_same_on_a_prefix_hit_and_in_small_chunks
     """Issue 32's report: SmolLM2 in bf16 answered a 3,000-token prompt differently the second time (a prefix hit)."""
     prompt = random_tokens(3000, 0)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
-    llm = LLM(dtype="bfloat16", max_model_len=4096)
+    llm = LLM(dtype="bfloat16", deterministic=True, max_model_len=4096)
     first = result(llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0])
     assert result(llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]) == first
-    small = LLM(dtype="bfloat16", max_model_len=4096, max_num_batched_tokens=256, enable_prefix_caching=False)
+    small = LLM(
+        dtype="bfloat16",
+        deterministic=True,
+        max_model_len=4096,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=False,
+    )
     assert result(small.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]) == first
