@@ -23,16 +23,18 @@ install-test: $(PY)
 demo: install
 	$(VENV)/bin/kvserve generate "What is the capital of France?"
 
-# The whole suite on the CPU's own ISA level, then the kernel, attention, sampling and HF-parity tests once more on
-# the lower levels kvserve can be forced to (kvserve/platform.py), so that CI on any machine checks several paths.
+# The whole suite on the CPU's own ISA level, then the kernel, attention, sampling, HF-parity and batch-invariance
+# tests once more on the lower levels kvserve can be forced to (kvserve/platform.py), so that CI on any machine
+# checks several paths.
 # A level the CPU lacks falls back to the native one with a warning.
 # Triton's interpreter runs the same whatever the CPU's vector ISA: once, in the full run.
 NOT_ISA = --ignore=tests/attention/test_triton_attention.py --ignore=tests/models/test_triton_engine.py
+ISA_TESTS = tests/kernels tests/attention tests/layers tests/sample tests/models tests/engine/test_deterministic.py
 
 test: install-test
 	$(PY) -m pytest -q tests
-	KVSERVE_CPU_ISA=avx2 $(PY) -m pytest -q tests/kernels tests/attention tests/layers tests/sample tests/models $(NOT_ISA)
-	KVSERVE_CPU_ISA=generic $(PY) -m pytest -q tests/kernels tests/attention tests/layers tests/sample tests/models $(NOT_ISA)
+	KVSERVE_CPU_ISA=avx2 $(PY) -m pytest -q $(ISA_TESTS) $(NOT_ISA)
+	KVSERVE_CPU_ISA=generic $(PY) -m pytest -q $(ISA_TESTS) $(NOT_ISA)
 
 lint: install-test
 	$(VENV)/bin/ruff check kvserve tests benchmarks

@@ -56,6 +56,12 @@ class ModelConfig:
     # The weights' identity (loader/fingerprint.py): part of the KV layout id, so KV shared between instances is
     # keyed by what computed it, not by where the model lies.
     fingerprint: str = ""
+    # Deterministic (batch-invariant) inference: a request's tokens and logprobs do not depend on the batch, the
+    # chunking of its prompt or where its KV came from (kvserve/layers/batch_invariant.py). True: required (the
+    # engine refuses to start where it cannot hold); False: off (the fastest paths); None: on where it costs
+    # nothing measurable (the C++ kernels with the pair-packed bf16 cache: bf16 on CPUs with AVX512-BF16), off
+    # elsewhere.
+    deterministic: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -273,10 +273,13 @@ def platform_record(dtype: str, num_threads: int) -> dict:
     }
 
 
-def startup_summary(dtype: str, num_threads: int, kernels: str, device: str = "cpu") -> str:
+def startup_summary(
+    dtype: str, num_threads: int, kernels: str, device: str = "cpu", deterministic: str | None = None
+) -> str:
     """The one line kvserve logs when an engine starts: CPU, ISA level, threads (and, once an engine has applied
     its thread plan, where the count comes from, the frontend's reserve, binding and OpenMP wait policy), the GPU
-    when the model runs on one, dtype and kernels in use."""
+    when the model runs on one, dtype and kernels in use, and whether inference is deterministic (batch-invariant:
+    "on", or "off (why)")."""
     from kvserve.threads import applied_plan
 
     info = cpu_info()
@@ -286,4 +289,5 @@ def startup_summary(dtype: str, num_threads: int, kernels: str, device: str = "c
     return (
         f"kvserve platform: {info.model_name or 'unknown CPU'}; {info.describe()}; threads={num_threads}/"
         f"{info.num_cpus} cpus{how}{gpu}; dtype={dtype}; kernels={kernels}"
+        + (f"; deterministic={deterministic}" if deterministic is not None else "")
     )

@@ -54,6 +54,13 @@ class AttentionBackend(ABC):
         (`[num_blocks, block_size, num_kv_heads, head_dim]`, row-major) can read each other's blocks."""
         return "standard"
 
+    def batch_invariant(self, block_size: int) -> bool:
+        """Whether each query token's output is a function of its query and its context's keys and values alone:
+        bitwise the same whatever else is in the step, however its prompt was chunked, and whichever blocks came
+        from the prefix cache, swap or a KV connector (kvserve/layers/batch_invariant.py). False unless a backend
+        guarantees it."""
+        return False
+
     @abstractmethod
     def build_metadata(self, inputs: AttentionInputs) -> Any:
         """Called once per step; the result is handed to every layer."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,9 +9,6 @@ import torch.nn.functional as F
 
 from kvserve.attention.base import AttentionInputs, KVCache
 from kvserve.utils import cdiv
-
-# Standard-order blocks from whatever the cache holds: (key_blocks, value_blocks) -> the same, unpacked.
-UnpackFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -45,10 +41,9 @@ def sdpa_prefill_spans(
     spans: list[PrefillSpan],
     scale: float,
     out: torch.Tensor,  # [T, H, hd], rows of the spans filled here
-    unpack: UnpackFn | None = None,
 ) -> None:
-    """Each prefill chunk through SDPA, over its own fresh K/V or, after cached context, the gathered blocks
-    (through `unpack` when the cache holds another order than the standard one)."""
+    """Each prefill chunk through SDPA, over its own fresh K/V or, after cached context, the gathered blocks (of
+    the standard layout)."""
     key_cache, value_cache = kv_cache
     hkv, hd = k.shape[1], k.shape[2]
     for span in spans:
@@ -58,8 +53,6 @@ def sdpa_prefill_spans(
         else:
             keys = key_cache.index_select(0, span.block_ids)
             values = value_cache.index_select(0, span.block_ids)
-            if unpack is not None:
-                keys, values = unpack(keys, values)
             keys = keys.reshape(-1, hkv, hd)[: span.seq_len]
             values = values.reshape(-1, hkv, hd)[: span.seq_len]
             out[s:e] = sdpa(q[s:e], keys, values, span.mask, scale)

@@ -1,14 +1,19 @@
 """Paged attention with the C++ CPU kernels (kernels/csrc/paged_attention*.cpp).
 
-Every decode token and every token of a small prefill chunk is one row of a single kernel call that reads K/V
-through its request's block table up to the token's own position (so causality needs no mask): one call per
-layer, no gathered context, no per-request loop. That beats SDPA for short prompt chunks and is level with it
-around 512 tokens (docs/benchmarks.md). Big chunks (more than 1024 x 1024 query-key pairs) go to SDPA, one
-request at a time, as in the torch reference (attention/torch_ref.py).
+Every decode token and every token of a prefill chunk is one row of a single kernel call that reads K/V through
+its request's block table up to the token's own position (so causality needs no mask): one call per layer, no
+gathered context, no per-request loop. A row walks its context block by block from position 0 in the same steps
+whatever else is in the call, so its output depends on its query and its context alone: the backend is
+batch-invariant (deterministic inference, kvserve/layers/batch_invariant.py).
+
+The one exception is opt-in: with `deterministic=False` and the standard cache layout, big chunks (more than
+1024 x 1024 query-key pairs) go to SDPA, one request at a time, as in the torch reference (attention/torch_ref.py),
+where SDPA is faster than the kernel in fp32; its blocking depends on the chunk, so a token's output then depends on
+how its prompt was cut.
 
 With a bf16 cache on a CPU with AVX512-BF16, the cache blocks hold the pair-packed layout of
 kernels/csrc/kv_layout.h (same block size and place, another order inside), which the packed kernel reads with
-about half the instructions per cached token; SDPA spans unpack the blocks they gather.
+about half the instructions per cached token, and which is faster than SDPA for chunks of every size.
 """
 
 from __future__ import annotations
@@ -42,10 +47,12 @@ def unpack_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
     return k.reshape(n, b, h, d), v.reshape(n, b, h, d)
 
 
-# A chunk goes to the kernel if query tokens x context tokens is at most this, to SDPA if more. Alone, the kernel
-# costs ~35-48 ns per (query, key) pair and layer whatever the shape, while SDPA's cost per pair falls as the chunk
-# grows (58 ns at 300 x 300, 46 at 512 x 512, 22 at 2048 x 2048). In a step, SDPA also pays for the gather of a
-# cached context, the output scatter and a call per request, so the switch is set above the isolated crossover.
+# With deterministic=False and the standard layout, a chunk goes to the kernel if query tokens x context tokens is
+# at most this, to SDPA if more. In fp32 the kernel costs about the same per (query, key) pair whatever the shape,
+# while SDPA's cost per pair falls as the chunk grows (SmolLM2's shape on kind A, one layer of a 2048-token chunk:
+# kernel 58 ms, SDPA 42). In a step, SDPA also pays for the gather of a cached context, the output scatter and a call
+# per request, so the switch is set above the isolated crossover. The pair-packed bf16 kernel is faster than SDPA
+# at every size (the same chunk: 20 ms against SDPA's 45 in bf16), so that layout never uses SDPA.
 _KERNEL_MAX_WORK = 1024 * 1024
 
 
@@ -56,7 +63,7 @@ class CpuKernelMetadata:
     kernel_rows: torch.Tensor | None  # [N] int64 token indices; None = every token of the step
     token_block_table: torch.Tensor | None  # [N, max_blocks] int32, the token's request's blocks; None if N = 0
     token_seq_lens: torch.Tensor | None  # [N] int64, keys the token sees (its position + 1)
-    prefills: list[PrefillSpan]  # the big chunks, through SDPA
+    prefills: list[PrefillSpan]  # the big chunks, through SDPA (only with deterministic=False)
     packed: bool  # the cache holds the pair-packed layout
 
 
@@ -68,7 +75,10 @@ class CpuKernelAttentionBackend(AttentionBackend):
         head_dim: int,
         dtype: torch.dtype,
         kernels: ModuleType | None = None,
+        deterministic: bool = True,
     ) -> None:
+        """`deterministic=False` lets big chunks go to SDPA where it is faster (the standard layout; see the module
+        docstring); a query's output then depends on its chunk."""
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.dtype = dtype
         self.group = num_heads // num_kv_heads
@@ -76,6 +86,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
         if kernels is None:
             raise RuntimeError("the C++ CPU kernels are not available: use TorchRefAttentionBackend")
         self.kernels = kernels
+        self.deterministic = deterministic
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         # NOTE: the pair-packed layout keeps this shape and each token's block; only the order inside a block differs.
@@ -91,7 +102,11 @@ class CpuKernelAttentionBackend(AttentionBackend):
     def describe(self, block_size: int) -> str:
         """Which kernels run attention (and the elementwise ops and sampling, which share the build)."""
         layout = ", pair-packed bf16 KV" if self.uses_packed_layout(block_size) else ""
-        return f"C++ {kernel_isa()}{layout}"
+        sdpa = "" if self.batch_invariant(block_size) else ", big chunks via SDPA"
+        return f"C++ {kernel_isa()}{layout}{sdpa}"
+
+    def batch_invariant(self, block_size: int) -> bool:
+        return self.deterministic or self.uses_packed_layout(block_size)
 
     def fused_layer(self):
         return self.kernels.llama_decoder_layer
@@ -105,10 +120,13 @@ class CpuKernelAttentionBackend(AttentionBackend):
     def build_metadata(self, inputs: AttentionInputs) -> CpuKernelMetadata:
         qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
         num_tokens = int(qsl[-1])
-        # Decodes and small prefill chunks go to the kernel, one row per token; big chunks go to SDPA, whose tiles
-        # reuse each K/V row across many queries where the kernel re-reads the whole context for every query token
-        # (the crossover is measured in docs/benchmarks.md).
-        by_kernel = np.diff(qsl) * seq_lens <= _KERNEL_MAX_WORK
+        # Every token is a kernel row, except, with deterministic=False and the standard layout, the tokens of big
+        # chunks: they go to SDPA, whose tiles reuse each K/V row across many queries (faster in fp32, see
+        # _KERNEL_MAX_WORK).
+        if self.batch_invariant(inputs.block_size):
+            by_kernel = np.ones(len(seq_lens), dtype=bool)
+        else:
+            by_kernel = np.diff(qsl) * seq_lens <= _KERNEL_MAX_WORK
         prefills = [prefill_span(inputs, i) for i in np.flatnonzero(~by_kernel)]
         req = np.repeat(np.arange(len(seq_lens)), np.diff(qsl))  # request of each token
         rows = None
@@ -174,6 +192,6 @@ class CpuKernelAttentionBackend(AttentionBackend):
                 metadata.token_seq_lens,
                 scale,
             )
-        unpack = unpack_kv_blocks if metadata.packed else None
-        sdpa_prefill_spans(q, k, v, kv_cache, metadata.prefills, scale, out, unpack)
+        assert not metadata.packed, "the pair-packed layout never sends chunks to SDPA"
+        sdpa_prefill_spans(q, k, v, kv_cache, metadata.prefills, scale, out)
         return out.view(num_tokens, -1)

@@ -207,6 +207,9 @@ def main(ns: argparse.Namespace) -> int:
         if feature == "speculative":
             configs.append(("kvserve (speculative off)", replace(args, speculative_config=None)))
             continue
+        if feature == "deterministic":
+            configs.append(("kvserve (deterministic off)", replace(args, deterministic=False)))
+            continue
         field = "enable_" + feature.replace("-", "_")
         configs.append((f"kvserve ({feature} off)", replace(args, **{field: False})))
     loaded_name = f" (load {ns.competing_load})"
@@ -327,7 +330,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--ablate",
-        choices=["prefix-caching", "chunked-prefill", "speculative"],
+        choices=["prefix-caching", "chunked-prefill", "speculative", "deterministic"],
         nargs="*",
         default=[],
         help="also run kvserve with this feature off, in the same run",

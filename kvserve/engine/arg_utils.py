@@ -131,6 +131,11 @@ class EngineArgs:
     enforce_eager (GPU): no CUDA graphs. load_format: "auto" (the checkpoint) or "dummy" (random weights, for
     benchmarks). attention_backend: "auto", "triton" (GPU, or the CPU under TRITON_INTERPRET=1), "cpu" (C++
     kernels) or "torch" (the reference).
+    deterministic: batch-invariant inference, a request's tokens and logprobs independent of the batch, of its
+    prompt's chunking and of where its KV came from (README, "Deterministic inference"). True: required (refused
+    where it cannot hold: the GPU, the pure-torch paths, TP > 1); False: off; None (default): on where it costs
+    nothing (bf16 with the C++ kernels on CPUs with AVX512-BF16), off elsewhere (in fp32 it costs 5-13% on long
+    prompts). VLLM_BATCH_INVARIANT=1 in the environment means True when this is None.
     """
 
     model: str | None = None  # None: the embedded default model
@@ -166,6 +171,7 @@ class EngineArgs:
     enforce_eager: bool = False
     load_format: str = "auto"  # "auto" | "dummy" (random weights)
     attention_backend: str = "auto"  # "auto" | "triton" | "cpu" | "torch"
+    deterministic: bool | None = None  # None: on where it costs nothing (VLLM_BATCH_INVARIANT=1: True)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -238,6 +244,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=bool(self.enforce_eager),
             fingerprint=weights_fingerprint(model_path, self.load_format, self.seed),
+            deterministic=self._deterministic(),
         )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
@@ -284,6 +291,14 @@ class EngineArgs:
                 config = trial
         check_engine_config(config)
         return config
+
+    def _deterministic(self) -> bool | None:
+        """The deterministic option, or vLLM's VLLM_BATCH_INVARIANT=1 when it is left unset."""
+        if self.deterministic is None and os.environ.get("VLLM_BATCH_INVARIANT", "").strip() == "1":
+            return True
+        if self.deterministic is not None and not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True, False or None, got {self.deterministic!r}")
+        return self.deterministic
 
     def _check_device_options(self, model: ModelConfig) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -418,6 +433,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=ATTENTION_BACKENDS,
         default=d.attention_backend,
         help="auto (GPU: triton; CPU: the C++ kernels, else torch), triton, cpu, torch",
+    )
+    g.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="batch-invariant inference: a request's tokens and logprobs do not depend on the batch, the prompt's "
+        "chunking or the prefix cache (default: on where it costs nothing, bf16 on CPUs with AVX512-BF16; off in "
+        "fp32, where it slows long prompts; VLLM_BATCH_INVARIANT=1 turns it on)",
     )
     g.add_argument(
         "--quantization",

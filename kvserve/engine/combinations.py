@@ -78,6 +78,23 @@ RULES: tuple[Rule, ...] = (
         lambda c: _gpu(c) and c.model.attention_backend in ("cpu", "torch"),
         "not supported on the GPU yet: attention_backend {attention_backend} (CPU backends)",
     ),
+    # deterministic=None means "where it holds" and is never refused; only an explicit True is.
+    Rule(
+        "deterministic with attention_backend torch",
+        lambda c: c.model.deterministic is True and c.model.attention_backend == "torch",
+        "deterministic inference needs the C++ CPU attention kernels: the torch reference attention is not "
+        "batch-invariant (use attention_backend auto or cpu, or deterministic=False)",
+    ),
+    Rule(
+        "deterministic with tensor_parallel_size > 1",
+        lambda c: c.model.deterministic is True and _tp(c),
+        "the all-reduce of big tensors sums in an order that follows their size",
+    ),
+    Rule(
+        "deterministic on the GPU",
+        lambda c: c.model.deterministic is True and _gpu(c),
+        "not supported on the GPU yet: the Triton attention and cuBLAS GEMMs are not batch-invariant yet",
+    ),
 )
 
 

@@ -92,6 +92,13 @@ class Linear(nn.Module):
         self._panel_kind = "float"
         self.weight = None
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether each output row depends on its input row alone, whatever the number of rows: true of kvserve's
+        panel kernels (every output sums k in order from 0 at every row count), not of oneDNN's or torch's matmuls
+        (whose blocking and kernels follow the shape)."""
+        return self._panels is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 

@@ -96,7 +96,7 @@ class RejectionSampler:
         row_tokens[rows.flatten()] = tokens.flatten()
         row_output = SamplerOutput(sampled_token_ids=row_tokens)
         if raw_logprobs is not None:
-            add_logprobs(row_output, raw_logprobs, md)
+            add_logprobs(row_output, raw_logprobs, md, self.sampler.topk)
         return RejectionOutput(output, num_output, row_output)
 
     def _full_q(

@@ -85,12 +85,30 @@ class GumbelSample(CustomOp):
         return gumbel_argmax(logits.float().contiguous(), keys)
 
 
+class TopK(CustomOp):
+    """Each row's k largest values, largest first, and their indices: [B, V] fp32, k -> ([B, k], [B, k] int64).
+
+    The cpu path breaks ties by the lower index, so a row's result depends on that row alone; torch.topk (the
+    native path) orders equal values as the algorithm it picks for k happens to, and the sampler's k is the batch's
+    largest `logprobs`. Ties are common among the logprobs of a bf16 model's logits.
+    """
+
+    def forward_native(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        values, indices = x.topk(k, dim=-1)
+        return values, indices
+
+    def forward_cpu(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.kernels is not None
+        return self.kernels.topk_rows(x.float().contiguous(), k)
+
+
 class Sampler:
     def __init__(self, device: torch.device | str = "cpu", use_kernel: bool = True) -> None:
         self.gumbel = GumbelSample(device, use_kernel)
         # On a GPU, rows with no top-k/top-p/min-p take one fused pass (temperature, noise, argmax, greedy rows);
         # False: the general path (benchmarks compare the two).
         self.fused_draw = self.gumbel.impl == "cuda"
+        self.topk = TopK(device, use_kernel)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] fp32 (not modified in place)."""
@@ -113,7 +131,7 @@ class Sampler:
                 sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
         out = SamplerOutput(sampled_token_ids=sampled)
         if raw_logprobs is not None:
-            add_logprobs(out, raw_logprobs, md)
+            add_logprobs(out, raw_logprobs, md, self.topk)
         return out
 
     @staticmethod
@@ -159,14 +177,14 @@ class Sampler:
         return keys
 
 
-def add_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor, md: SamplingMetadata) -> None:
+def add_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor, md: SamplingMetadata, topk: TopK) -> None:
     """Fill `out`'s logprob fields from the model's raw logprobs [B, V] and its sampled tokens."""
     assert md.max_num_logprobs is not None
     sampled = out.sampled_token_ids
     sampled_lp = raw_logprobs.gather(1, sampled[:, None])  # [B, 1]
     out.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
     if md.max_num_logprobs > 0:
-        top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
+        top_lp, top_ids = topk(raw_logprobs, md.max_num_logprobs)
         out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
         out.logprob_token_ids = torch.cat([sampled[:, None], top_ids], dim=1)
     else:

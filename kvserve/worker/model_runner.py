@@ -42,6 +42,7 @@ from kvserve.device_copy import to_device
 from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.distributed.sharding import head_slice
 from kvserve.kv_cache_spec import KVCacheSpec
+from kvserve.layers.batch_invariant import resolve_deterministic
 from kvserve.layers.quant.apply import model_weight_bytes
 from kvserve.loader.model_loader import load_model
 from kvserve.outputs import ModelRunnerOutput
@@ -153,11 +154,19 @@ class ModelRunner:
         config, arch = self.model_config, self.model_config.arch
         heads = head_slice(arch.num_attention_heads, arch.num_key_value_heads, self.tp.world_size, self.tp.rank)
         self.attn_backend = get_attn_backend(
-            heads.num_heads, heads.num_kv_heads, arch.head_dim, self.dtype, self.device, config.attention_backend
+            heads.num_heads,
+            heads.num_kv_heads,
+            arch.head_dim,
+            self.dtype,
+            self.device,
+            config.attention_backend,
+            config.deterministic,
         )
         start = time.perf_counter()
         self.model = load_model(config, self.attn_backend)
         logger.info("loaded %s in %.1fs", config.model, time.perf_counter() - start)
+        # "on" or "off (why)"; raises if deterministic=True cannot hold here.
+        self.deterministic = resolve_deterministic(config.deterministic, self.model, self.attn_backend, self.block_size)
         self.weight_bytes = model_weight_bytes(self.model)
         weights = f"{config.quantization or config.dtype} weights {self.weight_bytes / 2**20:.0f} MiB"
         # Its own logger, which the CLI shows even without -v: what the platform chose is worth one line always.
@@ -167,6 +176,7 @@ class ModelRunner:
                 torch.get_num_threads(),
                 self.attn_backend.describe(self.block_size),
                 config.device,
+                self.deterministic,
             )
         )
 
@@ -184,6 +194,8 @@ class ModelRunner:
             f"|{self.attn_backend.kv_layout(self.block_size)}"
             f"|kv_heads={arch.num_key_value_heads}|head_dim={arch.head_dim}|block={self.block_size}"
             f"|layers={arch.num_hidden_layers}|tp={self.tp.world_size}"
+            # Blocks computed by a path that is not batch-invariant would break a deterministic reader's promise.
+            f"|deterministic={self.deterministic == 'on'}"
         )
         draft = self.proposer.layout_id() if self.proposer is not None else None
         if draft is not None:

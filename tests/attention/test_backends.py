@@ -18,10 +18,12 @@ from kvserve.kernels.cpu import load_cpu_kernels
 from tests.kernels.build import require_kernels
 
 
-def make_backend(use_kernel: bool, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+def make_backend(
+    use_kernel: bool, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, deterministic: bool = True
+):
     if use_kernel:
         require_kernels()  # skips without a compiler or with KVSERVE_CPU_KERNELS=0; a broken build fails
-        return CpuKernelAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
+        return CpuKernelAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, deterministic=deterministic)
     return TorchRefAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
 
 
@@ -52,7 +54,8 @@ def reference_attention(q, k, v, scale):
 def test_mixed_batch_matches_reference(mode, dtype, atol, num_heads, num_kv_heads, head_dim, block_size, monkeypatch):
     use_kernel = mode != "torch"
     if mode == "cpp-kernel+sdpa":
-        # (0, 13) and (3, 30) exceed 150 query x context pairs and go to SDPA; (21, 5) and the decodes stay.
+        # With deterministic=False and the standard layout, (0, 13) and (3, 30) exceed 150 query x context pairs and
+        # go to SDPA; (21, 5) and the decodes stay.
         monkeypatch.setattr(cpu_kernels, "_KERNEL_MAX_WORK", 150)
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
@@ -94,12 +97,15 @@ def test_mixed_batch_matches_reference(mode, dtype, atol, num_heads, num_kv_head
     q = torch.randn(int(qsl[-1]), num_heads, head_dim).to(dtype)
     k_new = torch.cat([full_k[i][c:] for i, (c, _) in enumerate(seqs)])
     v_new = torch.cat([full_v[i][c:] for i, (c, _) in enumerate(seqs)])
-    backend = make_backend(use_kernel, num_heads, num_kv_heads, head_dim, dtype)
+    backend = make_backend(use_kernel, num_heads, num_kv_heads, head_dim, dtype, mode != "cpp-kernel+sdpa")
     packed = uses_packed_layout(backend, block_size)
     if packed:  # the cached context was written in the standard order above
         key_cache, value_cache = pack_kv_blocks(key_cache, value_cache)
     scale = head_dim**-0.5
-    out = backend.forward(q, k_new, v_new, (key_cache, value_cache), backend.build_metadata(inputs), scale)
+    metadata = backend.build_metadata(inputs)
+    if use_kernel:  # SDPA spans only where asked, and never with the pair-packed layout
+        assert len(metadata.prefills) == (2 if mode == "cpp-kernel+sdpa" and not packed else 0)
+    out = backend.forward(q, k_new, v_new, (key_cache, value_cache), metadata, scale)
     assert out.shape == (int(qsl[-1]), num_heads * head_dim)
 
     for i in range(len(seqs)):
@@ -238,6 +244,67 @@ def test_kernel_long_context_and_many_sequences_match_torch():
         pk, pv = pack_kv_blocks(kc, vc)
         got = kernel.kernels.paged_attention_packed(q, pk, pv, md.token_block_table, md.token_seq_lens, hd**-0.5)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 2, 64), (4, 1, 24), (8, 2, 128)])
+def test_kernel_backend_is_batch_invariant(deterministic, dtype, num_heads, num_kv_heads, head_dim, monkeypatch):
+    """One request's 300-token prompt in one chunk among other requests' decodes and chunks, in chunks of 7 tokens
+    alone, or after its first 160 tokens' K/V were written by an earlier step (as on a prefix hit): each token's
+    output is bitwise the same. With deterministic=False and the standard layout, chunks of over 1,000 query-key pairs
+    (here) go to SDPA, and the outputs differ."""
+    monkeypatch.setattr(cpu_kernels, "_KERNEL_MAX_WORK", 1000)
+    backend = make_backend(True, num_heads, num_kv_heads, head_dim, dtype, deterministic)
+    invariant = backend.batch_invariant(16)
+    assert invariant == (deterministic or backend.uses_packed_layout(16))
+    torch.manual_seed(0)
+    bs, n, others = 16, 300, [(40, 1), (0, 1), (100, 30)]  # (cached, new tokens) of the other requests
+    blocks_per_seq = math.ceil((n + 200) / bs)
+    num_blocks = blocks_per_seq * (1 + len(others))
+    seq_qkv = [(torch.randn(n, num_heads, head_dim), torch.randn(n, num_kv_heads, head_dim),
+                torch.randn(n, num_kv_heads, head_dim))]  # fmt: skip
+    seq_qkv += [tuple(t[: c + m] for t in seq_qkv[0]) for c, m in others]
+    seq_qkv = [tuple(t.to(dtype) for t in x) for x in seq_qkv]
+    scale = head_dim**-0.5
+    # Every request's blocks, in reverse order of the pool.
+    table = np.arange(num_blocks, dtype=np.int32)[::-1].reshape(1 + len(others), blocks_per_seq).copy()
+
+    def run(chunks: list[tuple[int, int]], with_others: bool) -> torch.Tensor:
+        """The prompt's tokens [start, end) per step from a fresh cache; returns each token's output."""
+        cache = tuple(torch.zeros(num_blocks, bs, num_kv_heads, head_dim, dtype=dtype) for _ in range(2))
+        out = torch.empty(n, num_heads * head_dim, dtype=dtype)
+        for start, end in chunks:
+            seqs = [(start, end - start, 0)] + ([(c, m, i + 1) for i, (c, m) in enumerate(others)] * with_others)
+            seqs.sort(key=lambda x: x[1] > 1)  # decodes first, as the runner lays a step out
+            parts, slots, qsl = [], [], [0]
+            for ctx, m, row in seqs:
+                parts.append([t[ctx : ctx + m] for t in seq_qkv[row]])
+                slots += [int(table[row, p // bs]) * bs + p % bs for p in range(ctx, ctx + m)]
+                qsl.append(qsl[-1] + m)
+            inputs = AttentionInputs(
+                num_decodes=sum(m == 1 for _, m, _ in seqs),
+                query_start_loc=np.array(qsl),
+                seq_lens=np.array([c + m for c, m, _ in seqs]),
+                block_table=table[[row for _, _, row in seqs]],
+                slot_mapping=np.array(slots, dtype=np.int64),
+                block_size=bs,
+            )
+            q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
+            res = backend.forward(q, k, v, cache, backend.build_metadata(inputs), scale)
+            first = qsl[[row for _, _, row in seqs].index(0)]
+            out[start:end] = res[first : first + end - start]
+        return out
+
+    whole = run([(0, n)], with_others=True)
+    ref = reference_attention(*seq_qkv[0], scale).reshape(n, -1)
+    torch.testing.assert_close(whole.float(), ref, atol=3e-2 if dtype == torch.bfloat16 else 1e-5, rtol=3e-2)
+    in_sevens = run([(s, min(s + 7, n)) for s in range(0, n, 7)], with_others=False)
+    after_a_hit = run([(0, 160), (160, n)], with_others=False)
+    if invariant:
+        assert torch.equal(in_sevens, whole) and torch.equal(after_a_hit, whole)
+    else:
+        assert not torch.equal(in_sevens, whole)
 
 
 def test_selector_picks_the_kernel_backend_when_the_kernels_load(monkeypatch):

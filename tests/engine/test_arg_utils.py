@@ -44,6 +44,19 @@ def test_from_cli_args_defaults_and_flags():
     )
 
 
+def test_deterministic_flag_and_vllm_alias(monkeypatch):
+    assert EngineArgs.from_cli_args(parser().parse_args([])).deterministic is None
+    assert EngineArgs.from_cli_args(parser().parse_args(["--deterministic"])).deterministic is True
+    assert EngineArgs.from_cli_args(parser().parse_args(["--no-deterministic"])).deterministic is False
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert EngineArgs()._deterministic() is True
+    assert EngineArgs(deterministic=False)._deterministic() is False
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert EngineArgs()._deterministic() is None
+    with pytest.raises(ValueError, match="deterministic must be"):
+        EngineArgs(deterministic="yes")._deterministic()
+
+
 def test_quantization_resolution(smollm2_gguf, tiny_model_factory):
     from kvserve.engine.arg_utils import resolve_quantization
 

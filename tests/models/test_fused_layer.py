@@ -1,12 +1,13 @@
 """The fused C++ decoder layer (kernels/csrc/decoder_layer.cpp), with float, bf16 pair or int8 linears, gives
 bitwise the module path's results: the same sampled tokens and the same logprobs, to the last bit, over decodes,
-batches, small prefill chunks and steps with SDPA prompt spans (where it steps aside)."""
+batches, prefill chunks and (with deterministic=False) steps with SDPA prompt spans, where it steps aside."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.attention import cpu_kernels
 from kvserve.kernels.cpu import load_cpu_kernels
 from kvserve.layers.quant.int8_linear import Int8Linear
 from kvserve.models.llama import LlamaDecoderLayer
@@ -42,15 +43,21 @@ def _bf16_pairs_here() -> bool:
     ],
 )
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias-tied"])
-def test_fused_layer_is_bitwise_the_module_path(tiny_model_factory, name, dtype, quantization, monkeypatch):
-    # 8-token chunks make small prefill chunks with cached context; the 300-token prompt's first chunk is too big
-    # for the kernel (an SDPA span), so that step takes the module path for every row.
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_fused_layer_is_bitwise_the_module_path(
+    tiny_model_factory, name, dtype, quantization, deterministic, monkeypatch
+):
+    # Prefill chunks with and without cached context beside decodes. With deterministic=False (and the standard
+    # layout), chunks of over 64 x 64 query-key pairs, such as the 300-token prompt's first, are SDPA spans: those
+    # steps take the module path for every row.
+    monkeypatch.setattr(cpu_kernels, "_KERNEL_MAX_WORK", 64 * 64)
     llm = LLM(
         tiny_model_factory(name),
         dtype=dtype,
         max_model_len=512,
         max_num_batched_tokens=300,
         quantization=quantization,
+        deterministic=deterministic,
     )
     layers = llm.engine.engine_core.executor.driver_runner.model.model.layers
     assert all(layer._fused is not None for layer in layers), "the fused layer should run this model"

@@ -11,6 +11,7 @@ import torch
 from kvserve.sample.sampler import (
     Sampler,
     SamplingMetadata,
+    TopK,
     apply_min_p,
     apply_top_k_top_p,
     gumbel_sample,
@@ -233,6 +234,43 @@ def test_logprobs_are_raw_model_logprobs_with_ranks():
     assert forced.logprob_token_ids[0].tolist() == [0]
     assert forced.sampled_ranks.item() == 3
     assert math.isclose(forced.logprobs[0, 0].item(), lp[0].item(), rel_tol=1e-6)
+
+
+def reference_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Largest first, ties to the lower index (NaN above every number): a stable sort of the whole row."""
+    key = torch.where(torch.isnan(x), torch.inf, x)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :k]
+    return x.gather(1, order), order
+
+
+@pytest.mark.parametrize("k", [1, 3, 20, 64])
+def test_cpu_topk_breaks_ties_by_the_lower_index(k):
+    topk = TopK()
+    assert topk.impl == "cpu", "the C++ kernels failed to build"
+    g = torch.Generator().manual_seed(k)
+    # bf16-rounded values: many exact ties, as among a bf16 model's logprobs; a row of one value; -inf and NaN.
+    x = torch.randn(6, 64, generator=g).to(torch.bfloat16).float()
+    x[1] = 0.5
+    x[2, ::3] = -torch.inf
+    x[3, [5, 40, 41]] = torch.nan
+    values, ids = topk(x, k)
+    ref_values, ref_ids = reference_topk(x, k)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(values, ref_values, equal_nan=True, rtol=0, atol=0)
+
+
+def test_logprobs_of_a_row_do_not_depend_on_the_batchs_largest_k():
+    """The sampler's top-k is taken with the batch's largest `logprobs`: a row's first entries must not move with
+    it (torch.topk's order among equal values does)."""
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(1, 49152, generator=g).to(torch.bfloat16).float()
+    batch = torch.cat([torch.randn(3, 49152, generator=g), row])
+    greedy = dict(all_greedy=True, temperature=torch.zeros(1))
+    alone = Sampler()(row, md(1, max_num_logprobs=2, **greedy))
+    for k in (2, 5, 20):
+        out = Sampler()(batch, md(4, max_num_logprobs=k, all_greedy=True, temperature=torch.zeros(4)))
+        assert torch.equal(out.logprob_token_ids[3, :3], alone.logprob_token_ids[0])
+        assert torch.equal(out.logprobs[3, :3], alone.logprobs[0])
 
 
 def test_gumbel_noise_is_finite_for_every_hash_value():

@@ -7,6 +7,7 @@
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale);
 at::Tensor sample_gumbel(at::Tensor logits, at::Tensor keys);
+std::tuple<at::Tensor, at::Tensor> topk_rows(at::Tensor x, int64_t k);
 void rms_norm_(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
 void rotary_(at::Tensor qk, at::Tensor positions, at::Tensor cos, at::Tensor sin, int64_t num_heads, int64_t head_dim);
 at::Tensor silu_and_mul(at::Tensor x);
@@ -65,4 +66,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("signs") = py::none(), py::arg("bias") = py::none(), py::arg("out_dtype") = at::kFloat);
   m.def("llama_decoder_layer", &llama_decoder_layer, "a whole Llama decoder layer over kernel-attention rows");
   m.def("sample_gumbel", &sample_gumbel, "one categorical draw per row of logits (Gumbel-max, hashed noise)");
+  m.def("topk_rows", &topk_rows, "each row's k largest entries, largest first, ties to the lower index");
 }

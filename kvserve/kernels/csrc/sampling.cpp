@@ -5,9 +5,16 @@
 // inverse CDF, whose every threshold moves when the mass of the truncated tail does, the argmax only changes if
 // two perturbed values are within the numerical noise of each other, which keeps seeded sampling reproducible
 // across batch compositions (whose matmuls round differently). One fused pass per row, vectorised and threaded.
+//
+// Also the top-k of the logprobs a request asks for, with ties broken by token id, so that they too depend on the
+// row alone.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include <cmath>
+#include <tuple>
+#include <vector>
 
 #include "simd.h"
 
@@ -78,7 +85,64 @@ int64_t draw_row(const float* x, int64_t n, uint64_t key) {
   return arg;  // all -inf (or NaN): token 0, still a valid id
 }
 
+struct Entry {
+  float value;
+  int64_t index;
+};
+
+// Whether a ranks before b: the larger value first, NaN above every number (as in torch.topk), then the lower index.
+inline bool ranks_before(const Entry& a, const Entry& b) {
+  const bool a_nan = std::isnan(a.value), b_nan = std::isnan(b.value);
+  if (a_nan != b_nan) return a_nan;
+  if (!a_nan && a.value != b.value) return a.value > b.value;
+  return a.index < b.index;
+}
+
+// The k best entries of x[0..n) in rank order, into top[0..k).
+void top_of_row(const float* x, int64_t n, int64_t k, Entry* top) {
+  for (int64_t i = 0; i < k; ++i) {  // the first k, insertion-sorted
+    Entry e{x[i], i};
+    int64_t j = i;
+    for (; j > 0 && ranks_before(e, top[j - 1]); --j) top[j] = top[j - 1];
+    top[j] = e;
+  }
+  for (int64_t i = k; i < n; ++i) {
+    // A later index loses every tie, so only a larger value (or a NaN over a number) gets in.
+    const float last = top[k - 1].value;
+    if (!(x[i] > last) && !(std::isnan(x[i]) && !std::isnan(last))) continue;
+    Entry e{x[i], i};
+    int64_t j = k - 1;
+    for (; j > 0 && ranks_before(e, top[j - 1]); --j) top[j] = top[j - 1];
+    top[j] = e;
+  }
+}
+
 }  // namespace
+
+// x [B, V] fp32, 1 <= k <= V. Returns (values [B, k] fp32, indices [B, k] int64): each row's k largest entries,
+// largest first, ties going to the lower index. A function of the row alone: torch.topk leaves the order of equal
+// values (frequent among bf16 logits) to the algorithm it picks for k, and a batch's k is its largest `logprobs`.
+std::tuple<at::Tensor, at::Tensor> topk_rows(at::Tensor x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [B, V] float32");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= n, "topk_rows: need 1 <= k <= V");
+  auto values = at::empty({rows, k}, x.options());
+  auto indices = at::empty({rows, k}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = indices.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Entry> top(k);
+    for (int64_t r = begin; r < end; ++r) {
+      top_of_row(xp + r * n, n, k, top.data());
+      for (int64_t j = 0; j < k; ++j) {
+        vp[r * k + j] = top[j].value;
+        ip[r * k + j] = top[j].index;
+      }
+    }
+  });
+  return {values, indices};
+}
 
 // logits [B, V] fp32 (masked entries -inf), keys [B] int64. Returns [B] int64 token ids.
 at::Tensor sample_gumbel(at::Tensor logits, at::Tensor keys) {
