@@ -14,9 +14,11 @@ that nobody reads expires):
 - no prefill instance reachable (or one that dies before answering, or answers 5xx, or without params): the
   decode instance computes the prompt itself;
 - the prefill instance refuses the request (4xx): its error goes back to the client;
-- a decode instance unreachable or refusing before it answers (e.g. 400: the request does not fit its KV pool;
-  503): the next one, then the prefill instance runs the whole request (its prompt is in its prefix cache);
-- a decode instance failing after it started answering: an error, not retried (proxy.py's rules);
+- no decode instance in rotation: the prefill instance runs the whole request;
+- a decode instance unreachable, refusing (e.g. 400: the request does not fit its KV pool; 503) or failing before
+  its answer begins (a non-streaming request whose instance dies): the next one, then the prefill instance runs
+  the whole request (its prompt is in its prefix cache; the lease nobody reads expires);
+- a decode instance failing after its answer began (a stream): an error event, not retried (proxy.py's rules);
 - the client going away: the request in flight (prefill or decode) is closed, which the instance takes as an abort.
 
 Instances must agree on the model, dtype, KV block size and tensor-parallel size (their /server_info) and run
@@ -198,6 +200,11 @@ class PDRouter:
         return RouteInput(len(token_ids), self.hasher.block_hashes(token_ids), self.config.block_size)
 
     async def _disaggregated(self, path: str, body: dict, route: RouteInput) -> Response:
+        if not self._usable(self.decode, _CONSUMER_ROLES, "decode"):
+            # Nobody to hand the KV to: the prefill instance runs the whole request (no lease to wait out).
+            return await self._plain(
+                self.prefill, self.proxy_prefill, self.prefill_policy, path, body, route, "no_decode"
+            )
         params = await self._prefill(path, body, route)
         if isinstance(params, Response):
             return params

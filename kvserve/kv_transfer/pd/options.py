@@ -18,6 +18,7 @@ _KEYS = (
     "recompute_on_failure",
     "timeout_s",
     "lease_wait_s",
+    "debug_push_stall_s",
 )
 
 
@@ -41,6 +42,9 @@ class PDOptions:
     # How long a producer's side channel waits for a request it does not know yet (its finish is still on its way
     # from the scheduler to the workers: the consumer may ask first).
     lease_wait_s: float = 5.0
+    # Fault injection for tests: a producer stalls this long in the middle of each push (tcp: after half of the
+    # bytes; mooncake: before the write), as a congested or dying peer would. 0: off.
+    debug_push_stall_s: float = 0.0
 
     @classmethod
     def from_config(cls, config: KVTransferConfig) -> PDOptions:
@@ -57,6 +61,7 @@ class PDOptions:
             lease_s = float(opts.get("lease_s", 60.0))
             timeout_s = float(opts.get("timeout_s", 10.0))
             lease_wait_s = float(opts.get("lease_wait_s", 5.0))
+            stall_s = float(opts.get("debug_push_stall_s", 0.0))
         except (TypeError, ValueError) as e:
             raise ValueError(f"kv_transfer_config: bad pd option ({e})") from None
         if not 0 <= port < 65536:
@@ -66,7 +71,7 @@ class PDOptions:
         recompute = opts.get("recompute_on_failure", True)
         if not isinstance(recompute, bool):
             raise ValueError(f"kv_transfer_config: recompute_on_failure must be true or false, got {recompute!r}")
-        return cls(transport, host, port, lease_s, recompute, timeout_s, lease_wait_s)
+        return cls(transport, host, port, lease_s, recompute, timeout_s, lease_wait_s, stall_s)
 
     @property
     def connect_timeout_s(self) -> float:

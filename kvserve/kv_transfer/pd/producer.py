@@ -8,6 +8,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 
 from kvserve.kv_transfer.pd import wire
 from kvserve.kv_transfer.pd.leases import LeaseError, LeaseTable
@@ -28,6 +29,7 @@ class SideChannelServer:
         mooncake: MooncakeEngine | None,
         timeout_s: float,
         lease_wait_s: float,
+        stall_s: float = 0.0,
     ) -> None:
         self.handshake = handshake
         self.regions = regions
@@ -35,6 +37,7 @@ class SideChannelServer:
         self.mooncake = mooncake
         self.timeout_s = timeout_s
         self.lease_wait_s = lease_wait_s
+        self.stall_s = stall_s  # fault injection (options.debug_push_stall_s)
         self.bytes_sent = 0
         self._sock = socket.create_server((host, port), backlog=64)
         self.host, self.port = host, self._sock.getsockname()[1]
@@ -92,6 +95,7 @@ class SideChannelServer:
             wire.send_frame(conn, wire.Reply(wire.OK, nbytes=nbytes))
             if pull.transport == "mooncake":
                 assert self.mooncake is not None and pull.mooncake_endpoint and pull.dst_bases is not None
+                time.sleep(self.stall_s)
                 try:
                     self.mooncake.write(
                         pull.mooncake_endpoint, *self.regions.mooncake_batch(src, pull.dst_block_ids, pull.dst_bases)
@@ -101,7 +105,13 @@ class SideChannelServer:
                     raise
                 wire.send_frame(conn, wire.Done(True))
             else:
-                send_all(conn, self.regions.send_views(src, pull.dst_block_ids))
+                views = self.regions.send_views(src, pull.dst_block_ids)
+                if self.stall_s:
+                    half = len(views) // 2
+                    send_all(conn, views[:half])
+                    time.sleep(self.stall_s)
+                    views = views[half:]
+                send_all(conn, views)
             self.bytes_sent += nbytes
             ok = True
         except ValueError as e:

@@ -50,7 +50,15 @@ class PDConnectorWorker(KVConnectorWorker):
         if self.produces:
             port = opts.port + self.rank if opts.port else 0
             self.server = SideChannelServer(
-                self.host, port, handshake, regions, self.leases, self.mooncake, opts.timeout_s, opts.lease_wait_s
+                self.host,
+                port,
+                handshake,
+                regions,
+                self.leases,
+                self.mooncake,
+                opts.timeout_s,
+                opts.lease_wait_s,
+                opts.debug_push_stall_s,
             )
             logger.info(
                 "pd side channel (rank %d) on %s:%d, transport %s",
