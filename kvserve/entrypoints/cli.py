@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     add_router_parser(sub)
 
-    from kvserve.benchmarks import latency, offload, perplexity, roofline, throughput
+    from kvserve.benchmarks import latency, offload, pd_serve, pd_transport, perplexity, roofline, throughput
     from kvserve.benchmarks import serve as serve_bench
 
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, serving load, rooflines")
@@ -188,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     latency.add_parser(bench_sub)
     perplexity.add_parser(bench_sub)
     offload.add_parser(bench_sub)
+    pd_transport.add_parser(bench_sub)
+    pd_serve.add_parser(bench_sub)
     return parser
 
 
