@@ -14,7 +14,8 @@ A KV connector (kvserve.kv_transfer), when configured, is reached only through i
 the prefix-cache lookup it may hold more of the prompt. A synchronous hit is scheduled at once with the loaded
 tokens counted as computed (the worker loads them before the forward pass). An asynchronous one gets its blocks and
 waits in WAITING_FOR_REMOTE_KVS (not schedulable, holding its blocks outside the prefix cache) until the worker
-reports the load done or failed, then resumes from the waiting queue with the loaded tokens counted as computed.
+reports the load done or failed, then resumes from the waiting queue with the loaded tokens counted as computed
+(after a failed load the rest is recomputed, unless the connector asks to end the request with an error instead).
 A connector that cannot answer yet ("ask again") leaves the request in its place in the waiting queue for the next
 step, like a request whose grammar is still compiling. When a request ends the connector may keep its blocks
 (until it reports the save done) and give kv_transfer_params for the request's final output.
@@ -119,8 +120,9 @@ class Scheduler:
         self._saving: dict[str, Request] = {}
         # Requests scheduled in this step with a synchronous load (the tokens computed before it).
         self._sync_loads: dict[str, int] = {}
-        # Requests ended because their grammar failed to compile, reported with the next step's outputs.
-        self._grammar_failures: list[EngineCoreOutput] = []
+        # Requests ended outside a step's tokens (their grammar failed to compile, their remote KV failed to load
+        # and the connector refused a recompute), reported with the next step's outputs.
+        self._early_outputs: list[EngineCoreOutput] = []
         # step_id -> the requests scheduled in that step, until its output is in.
         self._num_steps = 0
         self._step_requests: dict[int, dict[str, Request]] = {}
@@ -406,9 +408,9 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules (max_tokens, max_model_len, EOS, stop ids), free finished."""
-        outputs, self._grammar_failures = self._grammar_failures, []
         if runner_output.kv_connector_output is not None:
             self._update_from_connector(runner_output.kv_connector_output)
+        outputs, self._early_outputs = self._early_outputs, []
         logprobs = runner_output.logprobs
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         step_requests = self._step_requests.pop(scheduler_output.step_id, {})
@@ -490,7 +492,7 @@ class Scheduler:
         logger.warning("request %s: %s", request.request_id, request.grammar.failure)
         request.status = RequestStatus.FINISHED_ABORTED
         self._free_request(request)
-        self._grammar_failures.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
+        self._early_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
 
     def _grammar_ends(self, request: Request) -> bool:
         """Advance the request's grammar by its last token: True when that completes the output (or, against the
@@ -628,6 +630,9 @@ class Scheduler:
             if request.is_finished:  # aborted while loading
                 self.kv.free(request)
                 continue
+            if req_id in output.failed_loading and (error := self.connector.load_failure(request)) is not None:
+                self._end_with_error(request, error)
+                continue
             request.num_computed_tokens += output.failed_loading.get(req_id, num_external)
             request.num_cached_tokens = min(request.num_cached_tokens, request.num_computed_tokens)
             request.status = RequestStatus.WAITING
@@ -638,6 +643,18 @@ class Scheduler:
             request = self._saving.pop(req_id, None)
             if request is not None:
                 self.kv.free(request)
+
+    def _end_with_error(self, request: Request, error: str) -> None:
+        """End a request whose remote KV did not load, where the connector refuses a recompute: finish reason
+        "abort", the error in its final output's kv_transfer_params, its blocks freed."""
+        logger.warning("request %s: %s", request.request_id, error)
+        request.status = RequestStatus.FINISHED_ABORTED
+        params = self._free_request(request)
+        self._early_outputs.append(
+            EngineCoreOutput(
+                request.request_id, [], finish_reason="abort", kv_transfer_params={**(params or {}), "error": error}
+            )
+        )
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(

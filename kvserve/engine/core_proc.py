@@ -105,8 +105,12 @@ def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int, publi
             return
         if not handled_input and not core.has_unfinished_requests():
             core.check_health()  # an idle engine notices a dead worker too (it raises, ending this process)
-        step_outputs = core.step() if core.has_unfinished_requests() else []
-        if step_outputs or handled_input:
+        busy = core.has_unfinished_requests()
+        step_outputs = core.step() if busy else []
+        # Report the state after the step that went idle too: the steps that end a connector's work (a delayed
+        # save, a transfer lease) free blocks without producing outputs, and /metrics must not keep the old usage.
+        went_idle = busy and not core.has_unfinished_requests()
+        if step_outputs or handled_input or went_idle:
             outputs.send(encoder.encode(CoreOutputs(step_outputs, core.make_stats())))
         # Drained every step even without a publisher ("null"): nothing piles up in the block pool.
         batch = core.take_kv_events()

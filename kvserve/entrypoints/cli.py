@@ -62,13 +62,22 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def cmd_router(ns: argparse.Namespace) -> int:
     from kvserve.loader.default_model import resolve_model_path
     from kvserve.router.app import RouterConfig, run_router
+    from kvserve.router.pd import PDConfig
     from kvserve.router.policies import PolicyConfig
 
+    pd = None
+    if ns.prefill or ns.decode:
+        if not (ns.prefill and ns.decode) or ns.instance:
+            raise SystemExit("kvserve router: give --prefill and --decode instances (PD mode), or --instance ones")
+        pd = PDConfig(ns.prefill, ns.decode, ns.pd_direct_below)
+    elif not ns.instance:
+        raise SystemExit("kvserve router: give at least one --instance (or --prefill and --decode instances)")
     tokenizer = None
-    if ns.policy == "cache_aware":
+    if ns.policy == "cache_aware" or (pd is not None and pd.direct_below_tokens > 0):
         tokenizer = ns.tokenizer or resolve_model_path(ns.model)
     config = RouterConfig(
-        instances=ns.instance,
+        instances=ns.instance or [],
+        pd=pd,
         policy=ns.policy,
         tokenizer=tokenizer,
         block_size=ns.block_size,
@@ -91,7 +100,25 @@ def add_router_parser(sub) -> None:
         description="An OpenAI-compatible front over `kvserve serve` instances: /v1/completions and "
         "/v1/chat/completions (streaming passed through), /v1/models, /health, /metrics, /router/instances.",
     )
-    router.add_argument("--instance", action="append", required=True, help="an instance's URL (repeat the flag)")
+    router.add_argument("--instance", action="append", default=[], help="an instance's URL (repeat the flag)")
+    router.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        help="PD mode: a prefill instance's URL (repeat; its --kv-transfer-config has kv_role kv_producer)",
+    )
+    router.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        help="PD mode: a decode instance's URL (repeat; its --kv-transfer-config has kv_role kv_consumer)",
+    )
+    router.add_argument(
+        "--pd-direct-below",
+        type=int,
+        default=0,
+        help="PD mode: prompts with fewer tokens go straight to a decode instance (needs the tokenizer: --model)",
+    )
     router.add_argument("--policy", choices=POLICIES, default="round_robin")
     router.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     router.add_argument("--port", type=int, default=8080)
@@ -192,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(sub)
     add_cluster_parser(sub)
 
-    from kvserve.benchmarks import latency, offload, perplexity, roofline, sharing, throughput
+    from kvserve.benchmarks import latency, offload, pd_serve, pd_transport, perplexity, roofline, sharing, throughput
     from kvserve.benchmarks import serve as serve_bench
 
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, serving load, rooflines")
@@ -204,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     perplexity.add_parser(bench_sub)
     offload.add_parser(bench_sub)
     sharing.add_parsers(bench_sub)
+    pd_transport.add_parser(bench_sub)
+    pd_serve.add_parser(bench_sub)
     return parser
 
 

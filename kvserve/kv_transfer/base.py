@@ -121,6 +121,13 @@ class KVConnectorScheduler(ABC):
         """The engine's aggregated report of a step (before the scheduler acts on finished and failed loads). A
         connector may rewrite the output's fields here (the multi-connector does)."""
 
+    def load_failure(self, request: Request) -> str | None:
+        """An asynchronous load of `request` failed (`update_connector_output` has seen the report): None to
+        recompute the tokens that did not load (the default), or a message to end the request with instead (finish
+        reason "abort", the message in its final output's kv_transfer_params["error"]), e.g. when the remote KV
+        is known to be incompatible or the user turned the recompute fallback off."""
+        return None
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """A request ended (finished, aborted or dropped). Returns (keep: hold its blocks until the worker reports
         the request in `finished_saving`, since an asynchronous save or a remote reader still needs them;

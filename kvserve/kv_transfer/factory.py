@@ -72,3 +72,10 @@ def create_scheduler_connector(config: KVTransferConfig, spec: KVCacheSpec) -> K
 
 def create_worker_connector(config: KVTransferConfig, spec: KVCacheSpec, rank: int = 0) -> KVConnectorWorker:
     return _resolve(config, 1)(config, spec, rank)
+
+
+# Prefill/decode disaggregation (kv_transfer/pd/). "MooncakeConnector" (vLLM's name) picks Mooncake's transport.
+register_connector(
+    "pd", "kvserve.kv_transfer.pd.scheduler:PDConnectorScheduler", "kvserve.kv_transfer.pd.worker:PDConnectorWorker"
+)
+_ALIASES.update({"PDConnector": "pd", "MooncakeConnector": "pd"})

@@ -101,6 +101,10 @@ class MultiConnectorScheduler(KVConnectorScheduler):
                         saved.add(req_id)
         output.finished_saving = saved
 
+    def load_failure(self, request) -> str | None:
+        # Only the connector that loaded the request knows it; the others answer None.
+        return next((e for c in self.connectors if (e := c.load_failure(request)) is not None), None)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._chosen.pop(request.request_id, None)
         keepers, params = set(), {}

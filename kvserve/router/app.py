@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvserve.router.instances import Instance, InstanceSet
+from kvserve.router.pd import PDConfig, PDRouter
 from kvserve.router.policies import PolicyConfig, RouteInput, make_policy
 from kvserve.router.prefix import PromptHasher
 from kvserve.router.proxy import Proxy, Unreachable, error_response
@@ -43,6 +44,8 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     startup_wait_s: float = 0.0  # how long start-up waits for a first instance to answer
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    # Prefill/decode mode (router/pd.py): set instead of `instances`.
+    pd: PDConfig | None = None
 
 
 class RouterMetrics:
@@ -180,7 +183,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         async with httpx.AsyncClient(limits=limits) as client:
-            router = Router(config, client)
+            router = PDRouter(config, client, RouterMetrics()) if config.pd is not None else Router(config, client)
             app.state.router = router
             await router.start()
             try:
@@ -190,7 +193,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="kvserve router", lifespan=lifespan)
 
-    def router_of(request: Request) -> Router:
+    def router_of(request: Request) -> Router | PDRouter:
         return request.app.state.router
 
     @app.post("/v1/completions")
@@ -227,7 +230,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     @app.get("/router/indexer")
     async def indexer(request: Request) -> JSONResponse:
         router = router_of(request)
-        if router.indexer is None:
+        if getattr(router, "indexer", None) is None:  # PD mode keeps no index
             return JSONResponse({})
         from dataclasses import asdict
 

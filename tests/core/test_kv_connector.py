@@ -201,6 +201,38 @@ def test_failed_load_recomputes_from_the_failed_block_without_losing_the_request
     assert_no_leak(s)
 
 
+class NoRecompute(FakeConnector):
+    """Refuses to recompute what a failed load did not bring (a remote KV that must come from its source)."""
+
+    def load_failure(self, request):
+        return f"remote KV of {request.request_id} did not arrive"
+
+
+def test_failed_load_ends_the_request_with_an_error_when_the_connector_refuses_a_recompute():
+    prompt = list(range(40, 63))
+    conn = NoRecompute(stored_prefix(prompt, 4))
+    s = with_connector(conn)
+    worker = FakeWorker(num_steps=2, fail_at=1)
+    runner = FakeRunner()
+    req = make_request("a", prompt, max_tokens=5, block_size=BS)
+    other = make_request("b", list(range(100, 107)), max_tokens=3, block_size=BS)
+    s.add_request(req)
+    s.add_request(other)
+    ended = []
+    for _ in range(20):
+        if not s.has_unfinished_requests():
+            break
+        so = s.schedule()
+        assert "a" not in so.num_scheduled_tokens  # never computed
+        ended += [o for o in run_step(s, so, runner, worker) if o.request_id == "a"]
+    assert len(ended) == 1
+    out = ended[0]
+    assert (out.new_token_ids, out.finish_reason) == ([], "abort")
+    assert out.kv_transfer_params == {"error": "remote KV of a did not arrive"}
+    assert req.status == RequestStatus.FINISHED_ABORTED and sorted(conn.finished) == ["a", "b"]
+    assert_no_leak(s)
+
+
 def test_abort_while_loading_frees_blocks_only_after_the_load_reports():
     prompt = list(range(10, 31))
     conn = FakeConnector(stored_prefix(prompt, 3))

@@ -177,6 +177,8 @@ def install_routes(app: FastAPI) -> None:
             "model_path": config.model.path,
             "block_size": config.cache.block_size,
             "max_model_len": config.model.max_model_len,
+            "dtype": str(config.model.dtype),
+            "tensor_parallel_size": config.parallel.tensor_parallel_size,
             "kv_events_endpoint": events.endpoint if events is not None and events.publisher == "zmq" else None,
             "kv_events_replay_endpoint": events.replay_endpoint if events is not None else None,
             "kv_connector": config.kv_transfer.kv_connector if config.kv_transfer is not None else None,
