@@ -5,7 +5,8 @@ Two setups, each two `kvserve serve` instances pinned one per CPU (taskset, one 
 `kvserve router` (not pinned, like the load generator):
 - colocated: two plain instances, round robin;
 - disaggregated: a prefill instance (pd connector, kv_producer) and a decode instance (kv_consumer), `--prefill`
-  / `--decode`; every request is prefilled on the first and decoded on the second.
+  / `--decode`; every request is prefilled on the first and decoded on the second, except prompts under
+  `--direct-below` tokens, which the decode instance computes itself (the router's `--pd-direct-below`).
 The workload mixes long prompts (`--long-len`, few output tokens) with short chats, Poisson arrivals at each
 `--rates` value for about `--duration` seconds; the load generator is `kvserve bench serve`'s (streaming
 completions; TTFT, ITL between streamed tokens). Reported per class (short / long): TTFT and ITL p50/p99, and the
@@ -158,6 +159,9 @@ def start_setup(setup: str, ns: argparse.Namespace) -> list[Proc]:
             for p in procs:
                 p.wait_healthy()
             router_args = ["router", "--prefill", procs[0].url, "--decode", procs[1].url]
+            if ns.direct_below:
+                router_args += ["--pd-direct-below", str(ns.direct_below)]
+                router_args += ["--model", ns.model] if ns.model else []
         router = Proc(router_args, f"{setup}-router", None, ns.log_dir)
         procs.append(router)
         router.wait_healthy()
@@ -277,6 +281,12 @@ def add_parser(sub) -> None:
     p.add_argument("--serve-args", default="", help="more `kvserve serve` flags for every instance")
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--transport", default="tcp", choices=("tcp", "mooncake"))
+    p.add_argument(
+        "--direct-below",
+        type=int,
+        default=0,
+        help="disaggregated: the router sends prompts under this many tokens straight to the decode instance",
+    )
     p.add_argument("--long-fraction", type=float, default=0.2)
     p.add_argument("--long-len", type=int, nargs=2, default=[1536, 2048])
     p.add_argument("--long-output", type=int, default=16)
