@@ -213,7 +213,11 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         metadata: TritonAttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
+        if sliding_window is not None:
+            # Refused before loading (kvserve/engine/combinations.py); never attend over the whole context instead.
+            raise NotImplementedError("sliding-window attention is not implemented in the Triton kernels")
         key_cache, value_cache = kv_cache
         # Every write before any read (see AttentionBackend.forward). Reads are masked to each request's own
         # keys, so a reused block's stale contents (even NaN) are never loaded.
