@@ -215,9 +215,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        if sliding_window is not None:
-            # Refused before loading (kvserve/engine/combinations.py); never attend over the whole context instead.
-            raise NotImplementedError("sliding-window attention is not implemented in the Triton kernels")
+        window = sliding_window or 0  # the kernels' "no window"
         key_cache, value_cache = kv_cache
         # Every write before any read (see AttentionBackend.forward). Reads are masked to each request's own
         # keys, so a reused block's stale contents (even NaN) are never loaded.
@@ -239,6 +237,7 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.segs_per_program,
                 scale,
                 self.decode_config,
+                window,
             )
         paged_attention(
             q,
@@ -255,6 +254,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.tile_n,
             metadata.num_splits,
             first_token=nd,  # the decode rows' tokens (one each, first) are written above
+            window=window,
         )
         return out.view(q.shape[0], -1)
 

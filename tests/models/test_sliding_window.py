@@ -6,12 +6,14 @@ refused before loading."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.combinations import refusals
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.utils import cdiv
 from tests.conftest import assert_all_blocks_free, hf_greedy, load_hf_model
@@ -132,10 +134,34 @@ def test_local_global_model_keeps_every_block(tiny_model_factory):
     assert held[-2] == cdiv(40 + 59, 4)  # before the last step: every block of the context
 
 
+def test_gpu_refused_before_loading(tiny_model_factory):
+    config = EngineArgs(model=tiny_model_factory("mistral-window12"), dtype="float32").create_engine_config()
+    on_gpu = dataclasses.replace(config, model=dataclasses.replace(config.model, device="cuda"))
+    assert any(r.startswith("a sliding-window model on the GPU") for r in refusals(on_gpu))
+    assert not any("sliding-window" in r for r in refusals(config))
+
+
+def test_triton_kernels_in_the_interpreter_match_hf(references):
+    """The Triton backend's kernels (in Triton's interpreter on the CPU) through the engine: windowed prefill
+    chunks after cached prefixes and windowed decodes, on both models."""
+    for name in MODELS:
+        path, prompts, want = references(name)
+        llm = LLM(path, dtype="float32", max_model_len=256, attention_backend="triton", block_size=8)
+        picked = [0, 1, 2]  # the third shares a 30-token prefix with the first: hits
+        outs = llm.generate(
+            [{"prompt_token_ids": prompts[i]} for i in picked],
+            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+            use_tqdm=False,
+        )
+        for i, out in zip(picked, outs, strict=True):
+            assert out.outputs[0].token_ids == want[i][:16], f"{name}: prompt {i}"
+        assert llm.stats()["prefix_cache"]["num_hit_tokens"] > 0
+        assert_all_blocks_free(llm)
+
+
 @pytest.mark.parametrize(
     "options,match",
     [
-        (dict(attention_backend="triton"), "sliding-window model with the Triton"),
         (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "with speculative decoding"),
         (dict(preemption_mode="swap"), "with preemption_mode swap"),
     ],
