@@ -176,3 +176,24 @@ def test_instance_rules_exactly():
     # [11,30,9] -2.2 finishes (score -2.2/3); running [11,30,40] -2.3; the bound -2.3/3 < -2.2/3: done.
     assert [f.tokens for f in inst.finished] == [[5, 10, 9], [5, 11, 30, 9]]
     assert inst.done
+
+
+def test_hf_early_stopping_heuristic_decides(setup):
+    """A case (found by search) where HF's default early stop (early_stopping=False: stop once B hypotheses are
+    finished and the best running beam's cum_logprob / generated_len ** lp cannot beat the worst of them) changes
+    the result: searching on to max_tokens would return other beams."""
+    llm, hf = setup
+    if "llama-gqa-untied" not in llm.engine.config.model.model:
+        pytest.skip("the case was found on llama-gqa-untied")
+    prompt, eos = rand_ids(19, 108), 46678
+    want = hf_beams(hf, prompt, 2, 10, 1.0, eos=eos)
+    proc = llm.engine.processor
+    saved = proc.eos_token_ids
+    proc.eos_token_ids = frozenset({eos})
+    try:
+        out = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=2, max_tokens=10))[0]
+    finally:
+        proc.eos_token_ids = saved
+    assert_same_beams(ours(out, prompt), want)
+    assert all(seq.finish_reason == "stop" for seq in out.sequences)
+    assert_all_blocks_free(llm)
