@@ -23,6 +23,7 @@ _EXPORTS = {
     "LLM": "kvserve.engine.llm",
     "EngineArgs": "kvserve.engine.arg_utils",
     "SamplingParams": "kvserve.sampling_params",
+    "BeamSearchParams": "kvserve.beam_search",
     "StructuredOutputsParams": "kvserve.sampling_params",
     "RequestOutput": "kvserve.outputs",
     "CompletionOutput": "kvserve.outputs",
@@ -33,6 +34,7 @@ __all__ = [
     "LLM",
     "EngineArgs",
     "SamplingParams",
+    "BeamSearchParams",
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
@@ -41,6 +43,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from kvserve.beam_search import BeamSearchParams
     from kvserve.engine.arg_utils import EngineArgs
     from kvserve.engine.llm import LLM
     from kvserve.outputs import CompletionOutput, Logprob, RequestOutput

@@ -32,6 +32,16 @@ class ArchConfig:
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per layer: the keys a query sees, itself included (HF's `sliding_window`), or None for full attention.
+    # Empty: every layer attends over the whole context.
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def sliding_window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(w is not None for w in self.sliding_windows)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,16 @@ class KVCacheSpec:
         return len(self.layers)
 
     @property
+    def freeable_window(self) -> int | None:
+        """The longest layer window when every layer has one: blocks wholly more than this many keys behind a
+        request's next query are read by no layer again, so the scheduler may release them. None if any layer
+        attends over the whole context."""
+        windows = [layer.sliding_window for layer in self.layers]
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
+
+    @property
     def tp_size(self) -> int:
         return len(self.rank_block_bytes)
 

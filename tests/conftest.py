@@ -65,6 +65,22 @@ TINY_MODELS = {
         ),
     ),
     "mistral-gqa": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+    # Sliding-window attention on every layer, a window far shorter than the prompts and the generations
+    # (tests/models/test_sliding_window.py).
+    "mistral-window12": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=12)),
+    # Alternating local/global layers (Gemma-2/3 style), as Qwen2 names them in `layer_types`.
+    "qwen2-local-global": (
+        "Qwen2Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=10,
+            max_window_layers=0,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
     "qwen2-bias-tied": (
         "Qwen2Config",
         dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),

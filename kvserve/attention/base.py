@@ -74,8 +74,12 @@ class AttentionBackend(ABC):
         kv_cache: KVCache,
         metadata: Any,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """Write k/v of the new tokens into the cache, then attend over each request's whole context.
+        """Write k/v of the new tokens into the cache, then attend over each request's whole context, or with a
+        `sliding_window` (this layer's AttentionSpec) over each query's last `sliding_window` keys, itself
+        included. A windowed read never touches a block that lies wholly before its query's window: the scheduler
+        may have freed such blocks (kvserve/core/kv_cache_manager.py) and given them to other requests.
 
         All writes of the step happen before any read, so a request may read blocks that another request of
         the same step is filling (prefix-cache hits on blocks scheduled in that step). Returns

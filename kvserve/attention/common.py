@@ -18,6 +18,7 @@ class PrefillSpan:
     seq_len: int
     block_ids: torch.Tensor  # [num_blocks] int64, just enough blocks to hold seq_len tokens
     mask: torch.Tensor | None  # [query_len, seq_len] bool (True = may attend); None when plainly causal
+    block_size: int
 
 
 def prefill_span(inputs: AttentionInputs, i: int) -> PrefillSpan:
@@ -30,7 +31,7 @@ def prefill_span(inputs: AttentionInputs, i: int) -> PrefillSpan:
         # Query token j sits at position seq_len - q_len + j and sees keys up to that position.
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         mask = torch.arange(seq_len)[None, :] <= q_pos
-    return PrefillSpan(start, q_len, seq_len, block_ids, mask)
+    return PrefillSpan(start, q_len, seq_len, block_ids, mask, inputs.block_size)
 
 
 def sdpa_prefill_spans(
@@ -41,21 +42,37 @@ def sdpa_prefill_spans(
     spans: list[PrefillSpan],
     scale: float,
     out: torch.Tensor,  # [T, H, hd], rows of the spans filled here
+    sliding_window: int | None = None,
 ) -> None:
     """Each prefill chunk through SDPA, over its own fresh K/V or, after cached context, the gathered blocks (of
-    the standard layout)."""
+    the standard layout): with a sliding window, only the blocks from the one holding the first query's first key
+    on."""
     key_cache, value_cache = kv_cache
     hkv, hd = k.shape[1], k.shape[2]
     for span in spans:
         s, e = span.query_start, span.query_start + span.query_len
         if span.mask is None:  # no cached context: the chunk's own K/V are the whole context
-            out[s:e] = sdpa(q[s:e], k[s:e], v[s:e], None, scale)
-        else:
-            keys = key_cache.index_select(0, span.block_ids)
-            values = value_cache.index_select(0, span.block_ids)
-            keys = keys.reshape(-1, hkv, hd)[: span.seq_len]
-            values = values.reshape(-1, hkv, hd)[: span.seq_len]
-            out[s:e] = sdpa(q[s:e], keys, values, span.mask, scale)
+            mask = None if sliding_window is None else window_mask(span.query_len, span.query_len, 0, sliding_window)
+            out[s:e] = sdpa(q[s:e], k[s:e], v[s:e], mask, scale)
+            continue
+        first_key = 0
+        mask = span.mask
+        if sliding_window is not None:
+            first_query = span.seq_len - span.query_len
+            first_key = max(0, first_query - sliding_window + 1) // span.block_size * span.block_size
+            mask = window_mask(span.query_len, span.seq_len, first_key, sliding_window)
+        block_ids = span.block_ids[first_key // span.block_size :]
+        keys = key_cache.index_select(0, block_ids).reshape(-1, hkv, hd)[: span.seq_len - first_key]
+        values = value_cache.index_select(0, block_ids).reshape(-1, hkv, hd)[: span.seq_len - first_key]
+        out[s:e] = sdpa(q[s:e], keys, values, mask, scale)
+
+
+def window_mask(query_len: int, seq_len: int, first_key: int, window: int) -> torch.Tensor:
+    """[query_len, seq_len - first_key] bool: the query tokens (the context's last query_len positions) against
+    the keys from position first_key on; a query sees the keys of the window ending at itself."""
+    q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
+    k_pos = torch.arange(first_key, seq_len)[None, :]
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 
 def sdpa(

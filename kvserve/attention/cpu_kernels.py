@@ -161,6 +161,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         metadata: CpuKernelMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         num_tokens = q.shape[0]
@@ -177,9 +178,16 @@ class CpuKernelAttentionBackend(AttentionBackend):
             metadata.packed,
         )
         attend = self.kernels.paged_attention_packed if metadata.packed else self.kernels.paged_attention_decode
+        window = sliding_window or 0  # the kernels' "no window"
         if metadata.kernel_rows is None:  # the common step: every token by the kernel, no copies
             out = attend(
-                q.contiguous(), key_cache, value_cache, metadata.token_block_table, metadata.token_seq_lens, scale
+                q.contiguous(),
+                key_cache,
+                value_cache,
+                metadata.token_block_table,
+                metadata.token_seq_lens,
+                scale,
+                window,
             )
             return out.view(num_tokens, -1)
         out = torch.empty(num_tokens, self.num_heads, hd, dtype=q.dtype)
@@ -191,7 +199,8 @@ class CpuKernelAttentionBackend(AttentionBackend):
                 metadata.token_block_table,
                 metadata.token_seq_lens,
                 scale,
+                window,
             )
         assert not metadata.packed, "the pair-packed layout never sends chunks to SDPA"
-        sdpa_prefill_spans(q, k, v, kv_cache, metadata.prefills, scale, out)
+        sdpa_prefill_spans(q, k, v, kv_cache, metadata.prefills, scale, out, sliding_window)
         return out.view(num_tokens, -1)

@@ -62,6 +62,7 @@ class TorchRefAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         metadata: TorchRefMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         num_tokens = q.shape[0]
@@ -75,12 +76,13 @@ class TorchRefAttentionBackend(AttentionBackend):
         value_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, v)
 
         d = metadata.num_decodes
+        w = sliding_window
         if d == num_tokens:  # decodes only (the common step): no output buffer to fill
-            return self._decode(q.contiguous(), key_cache, value_cache, metadata, scale).view(num_tokens, -1)
+            return self._decode(q.contiguous(), key_cache, value_cache, metadata, scale, w).view(num_tokens, -1)
         out = torch.empty(num_tokens, self.num_heads, hd, dtype=q.dtype)
         if d:
-            out[:d] = self._decode(q[:d].contiguous(), key_cache, value_cache, metadata, scale)
-        sdpa_prefill_spans(q, k, v, kv_cache, metadata.prefills, scale, out)
+            out[:d] = self._decode(q[:d].contiguous(), key_cache, value_cache, metadata, scale, w)
+        sdpa_prefill_spans(q, k, v, kv_cache, metadata.prefills, scale, out, w)
         return out.view(num_tokens, self.num_heads * hd)
 
     def _decode(
@@ -90,20 +92,35 @@ class TorchRefAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         metadata: TorchRefMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """The decodes' attention over their padded gathered contexts: [D, H, hd]."""
+        """The decodes' attention over their padded gathered contexts: [D, H, hd]. With a sliding window, each
+        context starts at the block holding its window's first key (a request's own block ids from there on)."""
         assert metadata.decode_block_table is not None and metadata.decode_seq_lens is not None
         d = q.shape[0]
         hkv, hd = self.num_kv_heads, self.head_dim
+        block_size = key_cache.shape[1]
+        seq_lens = metadata.decode_seq_lens
         table = metadata.decode_block_table.long()
-        ctx_len = table.shape[1] * key_cache.shape[1]
+        first_key = torch.zeros_like(seq_lens)  # [D] position of each context's first gathered key
+        if sliding_window is not None:
+            first_block = (seq_lens - sliding_window).clamp(min=0) // block_size
+            num_blocks = min(table.shape[1], cdiv(sliding_window - 1, block_size) + 1)
+            cols = first_block[:, None] + torch.arange(num_blocks)[None, :]
+            # Columns past a table's end repeat its last one; their positions lie past the context, so masked.
+            table = table.gather(1, cols.clamp(max=table.shape[1] - 1))
+            first_key = first_block * block_size
+        ctx_len = table.shape[1] * block_size
         flat = table.reshape(-1)
         # [D, L, Hkv, hd] -> [D, Hkv, L, hd]
         keys = key_cache.index_select(0, flat).view(d, ctx_len, hkv, hd).transpose(1, 2)
         values = value_cache.index_select(0, flat).view(d, ctx_len, hkv, hd).transpose(1, 2)
         qg = q.view(d, hkv, self.group, hd)
         scores = torch.matmul(qg, keys.transpose(2, 3)) * scale  # [D, Hkv, G, L]
-        past_end = torch.arange(ctx_len)[None, :] >= metadata.decode_seq_lens[:, None]
-        scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
+        positions = first_key[:, None] + torch.arange(ctx_len)[None, :]  # [D, L]
+        hidden = positions >= seq_lens[:, None]
+        if sliding_window is not None:
+            hidden |= positions < (seq_lens - sliding_window)[:, None]
+        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, values).view(d, self.num_heads, hd)  # [D, Hkv, G, hd]

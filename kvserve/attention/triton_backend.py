@@ -213,7 +213,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         metadata: TritonAttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
+        window = sliding_window or 0  # the kernels' "no window"
         key_cache, value_cache = kv_cache
         # Every write before any read (see AttentionBackend.forward). Reads are masked to each request's own
         # keys, so a reused block's stale contents (even NaN) are never loaded.
@@ -235,6 +237,7 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.segs_per_program,
                 scale,
                 self.decode_config,
+                window,
             )
         paged_attention(
             q,
@@ -251,6 +254,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.tile_n,
             metadata.num_splits,
             first_token=nd,  # the decode rows' tokens (one each, first) are written above
+            window=window,
         )
         return out.view(q.shape[0], -1)
 

@@ -68,7 +68,7 @@ def segments_per_program(num_reqs: int, max_segments: int, num_kv_heads: int, ta
     return min(per_program, max_segments)
 
 
-@triton.jit(do_not_specialize=["stride_bt", "segs_per_program", "programs_per_req"])
+@triton.jit(do_not_specialize=["stride_bt", "segs_per_program", "programs_per_req", "window"])
 def _decode_segments_kernel(
     q_ptr,  # [R, H, D] (row r: request r's query token), rows of any stride
     key_cache_ptr,  # [N, B, Hkv, D]
@@ -88,6 +88,7 @@ def _decode_segments_kernel(
     stride_bt,
     segs_per_program,
     programs_per_req,
+    window,  # the query sees its last `window` keys; 0: all of them
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -117,9 +118,13 @@ def _decode_segments_kernel(
         other=0.0,
     )  # [GROUP_PAD, DIM_PAD]
     stat_base = tl.load(first_seg_ptr + req).to(tl.int64) * num_heads + head  # [GROUP_PAD]
-    # This program's key tiles: those of its run of segments that the request has.
+    # This program's key tiles: those of its run of segments that the request has, from the tile of the first
+    # key in the window on (a sliding window: the segments before the window's segment are left unwritten and
+    # skipped by the combine; no key before the window is loaded, its block may belong to another request).
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     tile_lo = (pid % programs_per_req) * segs_per_program * SEG_TILES
     tile_hi = tl.minimum(tile_lo + segs_per_program * SEG_TILES, tl.cdiv(seq_len, TILE_N))
+    tile_lo = tl.maximum(tile_lo, lo // TILE_N)
     if tile_lo < tile_hi:
         offs_n = tl.arange(0, TILE_N)
         if UPCAST:
@@ -131,7 +136,7 @@ def _decode_segments_kernel(
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
         for t in range(tile_lo, tile_hi):
             pos = t * TILE_N + offs_n
-            key_valid = pos < seq_len
+            key_valid = (pos < seq_len) & (pos >= lo)
             block = tl.load(table_row + pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
             kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off  # [TILE_N]
             kv_mask = key_valid[:, None] & dim_valid[None, :]
@@ -142,7 +147,7 @@ def _decode_segments_kernel(
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, TILE_N]
             s = tl.where(key_valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a valid key
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile from the window's first holds a valid key
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -171,6 +176,7 @@ def _combine_segments_kernel(
     first_seg_ptr,  # [R] int32
     stride_ot,
     stride_oh,
+    window,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
@@ -181,14 +187,17 @@ def _combine_segments_kernel(
     # contexts up to SEG_CHUNK segments, all loads in flight together).
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    num_segs = tl.cdiv(tl.load(seq_lens_ptr + req), SEG_KEYS)
+    seq_len = tl.load(seq_lens_ptr + req)
+    num_segs = tl.cdiv(seq_len, SEG_KEYS)
+    # With a window, the segments before the one holding its first key were not written.
+    seg_lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0) // SEG_KEYS
     first = tl.load(first_seg_ptr + req).to(tl.int64)
     offs = tl.arange(0, SEG_CHUNK)
     dims = tl.arange(0, DIM_PAD)
     m_run = float("-inf")
     denom = 0.0
     acc = tl.zeros([DIM_PAD], tl.float32)
-    for c in range(0, num_segs, SEG_CHUNK):
+    for c in range(seg_lo, num_segs, SEG_CHUNK):
         valid = c + offs < num_segs
         stat = (first + c + offs) * NUM_HEADS + head
         m = tl.load(max_ptr + stat, mask=valid, other=float("-inf"))
@@ -219,9 +228,10 @@ def decode_attention(
     segs_per_program: int,  # segments_per_program(R, max_segments, ...)
     scale: float,
     config: DecodeConfig,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Attention of each request's single query token over its keys (this step's K/V written first). Returns
-    `out`."""
+    """Attention of each request's single query token over its keys (this step's K/V written first), or with
+    `window` > 0 over its last `window` keys only. Returns `out`."""
     num_reqs, num_heads, head_dim = q.shape
     if num_reqs == 0 or num_slots == 0:
         return out
@@ -255,6 +265,7 @@ def decode_attention(
         block_table.stride(0),
         segs_per_program,
         programs_per_req,
+        window,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -276,6 +287,7 @@ def decode_attention(
         first_seg,
         out.stride(0),
         out.stride(1),
+        window,
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,

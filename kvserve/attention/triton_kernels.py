@@ -69,7 +69,7 @@ def _write_kv_kernel(
     tl.store(value_cache_ptr + dst, v, mask=mask)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D]
     key_cache_ptr,  # [N, B, Hkv, D]
@@ -91,6 +91,7 @@ def _paged_attention_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    window,  # each row sees its last `window` keys, itself included; 0: all of them
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
@@ -128,12 +129,18 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys up to the program's last valid row; a split program takes its share of those key tiles.
+    # Keys up to the program's last valid row, from its first row's first visible key (a sliding window: keys
+    # before it are never loaded, their blocks may belong to another request by now); a split program takes
+    # its share of those key tiles.
     kv_end = context_len + tl.minimum(q_first + BLOCK_Q, q_len)
-    num_tiles = tl.cdiv(kv_end, TILE_N)
+    kv_start = tl.where(window > 0, tl.maximum(context_len + q_first - window + 1, 0), 0)
+    first_tile = kv_start // TILE_N
+    num_tiles = tl.cdiv(kv_end, TILE_N) - first_tile
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
+    # The oldest key each row sees: itself and the window - 1 keys before it.
+    row_lo = tl.where(window > 0, q_pos - window + 1, 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -142,7 +149,7 @@ def _paged_attention_kernel(
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     for tile in range(tile_lo, tile_hi):
         pos = tile * TILE_N + offs_n
-        key_valid = pos < kv_end
+        key_valid = (pos < kv_end) & (pos >= kv_start)
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         kv_offset = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head * stride_ch
         k = tl.load(
@@ -153,7 +160,8 @@ def _paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
-        s = tl.where(key_valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        visible = key_valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= row_lo[:, None])
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -270,12 +278,14 @@ def paged_attention(
     tile_n: int,
     num_splits: int = 1,
     first_token: int = 0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of the query tokens the programs cover over their request's keys, read through the block table
     (K/V of this step's tokens must be written first). `block_m` rows per program (BLOCK_Q = block_m // group
     tokens, the stride of `prog_qstart`); `num_splits` > 1 (a power of 2) splits each program's keys over that
     many programs and reduces after, over tokens `first_token`.. (the programs must cover them all: tokens before
-    belong to another kernel, the decode rows of triton_decode.py). Returns `out`."""
+    belong to another kernel, the decode rows of triton_decode.py). `window` > 0: each token sees only its last
+    `window` keys, and no key before the window of a program's first token is loaded. Returns `out`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -314,6 +324,7 @@ def paged_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         block_table.stride(0),
+        window,
         GROUP=group,
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,

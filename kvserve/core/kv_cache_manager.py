@@ -6,6 +6,10 @@ from kvserve.core.block_pool import BlockPool, KVBlock, PrefixCacheStats
 from kvserve.request import Request
 from kvserve.utils import cdiv
 
+# Holds the place of a released block in a request's table (sliding window). Its id is never sent to a worker: a
+# table goes out whole only to a new request (before anything is released); running ones get appended ids.
+SKIPPED_BLOCK = KVBlock(-1)
+
 
 class KVCacheManager:
     """Owns which blocks each request holds.
@@ -15,12 +19,29 @@ class KVCacheManager:
     registered in the prefix cache as soon as the tokens that fill them are scheduled: within a step the model
     writes every token's KV before any attention reads it, so a request admitted later in the same step may
     already hit them.
+
+    Sliding window (`sliding_window`: every layer has a window, the longest is this many keys): a query at
+    position p reads keys from p - sliding_window + 1 on, so when `allocate_slots` schedules a request's tokens
+    from position num_computed_tokens on, the blocks wholly before num_computed_tokens - sliding_window + 1 are
+    never read again. They are released there (into the free queue, still cached: their KV stays valid for a
+    prefix hit) and their places in the request's table hold `SKIPPED_BLOCK`, so positions keep their index. A
+    request then holds at most cdiv(sliding_window - 1, block_size) + 1 blocks behind its next query. The caller
+    must not let num_computed_tokens move back (speculative rollback) nor copy a table out (swap, connectors):
+    engine/combinations.py refuses those with a window.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_kv_events: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        enable_kv_events: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        # Per request: how many leading table entries are SKIPPED_BLOCK.
+        self._num_skipped: dict[str, int] = {}
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_events, block_size)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
@@ -82,6 +103,7 @@ class KVCacheManager:
         (`cache_blocks`, or the request's next allocation).
         """
         new_computed_blocks = new_computed_blocks or []
+        self._release_skipped(request)
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
@@ -118,12 +140,33 @@ class KVCacheManager:
             )
             self._num_cached_blocks[req_id] = num_full
 
+    def _release_skipped(self, request: Request) -> None:
+        """Sliding window: release the request's blocks that no query from num_computed_tokens on reads."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if self.sliding_window is None or not blocks:
+            return
+        first_key = request.num_computed_tokens - self.sliding_window + 1
+        num_skipped = self._num_skipped.get(request.request_id, 0)
+        num_unread = min(max(0, first_key) // self.block_size, len(blocks))
+        if num_unread <= num_skipped:
+            return
+        released = blocks[num_skipped:num_unread]
+        blocks[num_skipped:num_unread] = [SKIPPED_BLOCK] * len(released)
+        self._num_skipped[request.request_id] = num_unread
+        # Newest first, as `free` does: the chain's head stays cached longest.
+        self.pool.free_blocks(reversed(released))
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds (its table without the released SKIPPED_BLOCK places)."""
+        return len(self.req_to_blocks.get(request_id, [])) - self._num_skipped.get(request_id, 0)
+
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first (the tail of a chain is the least reusable)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        num_skipped = self._num_skipped.pop(request.request_id, 0)
         if blocks:
-            self.pool.free_blocks(reversed(blocks))
+            self.pool.free_blocks(reversed(blocks[num_skipped:]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

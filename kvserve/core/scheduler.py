@@ -92,12 +92,14 @@ class Scheduler:
         num_swap_blocks: int = 0,
         structured_output: Any = None,
         enable_kv_events: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
+        """`sliding_window`: the KV cache spec's `freeable_window` (KVCacheManager releases what it never reads)."""
         self.config = config
         self.async_scheduling = config.async_scheduling
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, enable_kv_events
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, enable_kv_events, sliding_window
         )
         self.enable_kv_events = enable_kv_events
         self.requests: dict[str, Request] = {}

@@ -20,7 +20,7 @@ from kvserve.config import (
 )
 from kvserve.distributed.sharding import check_head_split
 from kvserve.engine.combinations import check_engine_config, refusals
-from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config, sliding_window_of
+from kvserve.loader.arch_config import arch_config_from_hf, read_hf_folder_config
 from kvserve.loader.default_model import find_gguf, resolve_model_path
 from kvserve.loader.fingerprint import weights_fingerprint
 from kvserve.loader.gguf_weights import gguf_arch_config, gguf_linears_quantized
@@ -185,14 +185,12 @@ class EngineArgs:
         device = resolve_device(self.device)
         path = resolve_model_path(self.model)
         gguf_path = find_gguf(path)
-        sliding_window = None
         if gguf_path is not None:
             arch = gguf_arch_config(gguf_path)
             fmt, model_path = "gguf", gguf_path
         else:
             hf_config, generation_config = read_hf_folder_config(path)
             arch = arch_config_from_hf(hf_config, generation_config)
-            sliding_window = sliding_window_of(hf_config)
             fmt, model_path = "hf", path
 
         max_model_len = self.max_model_len or arch.max_position_embeddings
@@ -201,11 +199,6 @@ class EngineArgs:
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"{arch.max_position_embeddings}"
             )
-        if sliding_window is not None and sliding_window < max_model_len:
-            # We attend over the full context, which equals sliding-window attention up to the window.
-            logger.warning("sliding window attention is not supported; capping max_model_len at %d", sliding_window)
-            max_model_len = sliding_window
-
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from kvserve.beam_search import BeamSearchInstance, BeamSearchParams, to_request_output
 from kvserve.config import EngineConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.core_client import AsyncMPClient, EngineDeadError
@@ -151,6 +152,40 @@ class AsyncLLM:
                 yield out
         finally:
             stream.close()
+
+    async def beam_search(self, prompt: PromptType, params: BeamSearchParams, request_id: str) -> RequestOutput:
+        """Beam search for one prompt (kvserve.beam_search states the semantics); the result holds one finished
+        output per beam, best first. Each step submits the running beams as one-token requests named
+        `{request_id}-{step}-{beam}`; cancelling this coroutine aborts the step's requests."""
+        assert self.processor is not None
+        prompt_text, prompt_ids = self.processor.tokenize(prompt)
+        # Validates the prompt and that prompt + max_tokens fits, without queueing anything.
+        self.processor.make_core_request(request_id, prompt_ids, SamplingParams(max_tokens=params.max_tokens), None)
+        instance = BeamSearchInstance(prompt_ids, params, self.processor.eos_token_ids)
+
+        async def score(beam_id: str, tokens: list[int]) -> RequestOutput:
+            last = None
+            step_params = instance.step_params()
+            prompt = {"prompt_token_ids": tokens}
+            async for out in self.generate(prompt, step_params, beam_id, OutputKind.FINAL_ONLY):
+                last = out
+            assert last is not None
+            return last
+
+        step = 0
+        while not instance.done:
+            # A TaskGroup: one failing beam request cancels (and so aborts) its siblings.
+            try:
+                async with asyncio.TaskGroup() as group:
+                    tasks = [
+                        group.create_task(score(f"{request_id}-{step}-{i}", tokens))
+                        for i, tokens in enumerate(instance.running_prompts())
+                    ]
+            except ExceptionGroup as group_error:
+                raise group_error.exceptions[0] from None
+            instance.advance([task.result().outputs[0].logprobs[0] for task in tasks])  # type: ignore[index]
+            step += 1
+        return to_request_output(request_id, prompt_text, prompt_ids, instance.result(), self.tokenizer.decode)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (safe from synchronous cleanup); its blocks are freed by the core."""

@@ -35,6 +35,12 @@ def _model_proposer(c: EngineConfig) -> bool:
 
 
 _ASYNC = "async_scheduling"
+_WINDOW = "a sliding-window model"
+
+
+def _window(c: EngineConfig) -> bool:
+    return c.model.arch.has_sliding_window
+
 
 # Refused before anything loads.
 RULES: tuple[Rule, ...] = (
@@ -77,6 +83,28 @@ RULES: tuple[Rule, ...] = (
         "a CPU attention backend on the GPU",
         lambda c: _gpu(c) and c.model.attention_backend in ("cpu", "torch"),
         "not supported on the GPU yet: attention_backend {attention_backend} (CPU backends)",
+    ),
+    Rule(
+        f"{_WINDOW} on the GPU",
+        lambda c: _window(c) and _gpu(c),
+        "not supported on the GPU yet: the Triton kernels read only the window (checked in Triton's interpreter "
+        "on the CPU) but have not run compiled on a GPU, and the captured decode graphs size their work buffers "
+        "by the pool, which the requests of a windowed model may outgrow together",
+    ),
+    Rule(
+        f"{_WINDOW} with speculative decoding",
+        lambda c: _window(c) and c.speculative is not None,
+        "blocks behind the window are released as a request advances, and rejected drafts would move it back",
+    ),
+    Rule(
+        f"{_WINDOW} with a KV connector (kv_transfer_config)",
+        lambda c: _window(c) and c.kv_transfer is not None,
+        "a connector moves whole block tables, whose blocks behind the window are released",
+    ),
+    Rule(
+        f"{_WINDOW} with preemption_mode swap",
+        lambda c: _window(c) and c.scheduler.preemption_mode == "swap",
+        "swap copies whole block tables, whose blocks behind the window are released (use recompute)",
     ),
     # deterministic=None means "where it holds" and is never refused; only an explicit True is.
     Rule(

@@ -72,6 +72,7 @@ class EngineCore:
             num_swap_blocks=num_swap_blocks,
             structured_output=self.structured_output,
             enable_kv_events=config.kv_events is not None,
+            sliding_window=self.kv_cache_spec.freeable_window,
         )
 
     @property

@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from kvserve.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.processor import PromptType, render_chat_prompt
@@ -107,6 +108,50 @@ class LLM:
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (kvserve.beam_search states the semantics: HF's), one BeamSearchOutput per prompt in
+        prompt order; each sequence's `tokens` include the prompt and its `text` decodes them all (vLLM's shape).
+
+        Every step submits all running beams of all prompts as one batch of one-token requests; a beam's prompt
+        is its parent's tokens plus one, so its full blocks are prefix-cache hits. Invalid prompts raise
+        ValueError before anything runs.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        processor = self.engine.processor
+        instances: list[BeamSearchInstance] = []
+        for prompt in prompts:
+            _, prompt_ids = processor.tokenize(prompt)
+            # Validates the prompt and that prompt + max_tokens fits, without queueing anything.
+            processor.make_core_request("beam-check", prompt_ids, SamplingParams(max_tokens=params.max_tokens), None)
+            instances.append(BeamSearchInstance(prompt_ids, params, processor.eos_token_ids))
+        bar = tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True, disable=not use_tqdm)
+        while any(not inst.done for inst in instances):
+            batch = [inst.running_prompts() for inst in instances]
+            flat: list[PromptType] = [{"prompt_token_ids": tokens} for beams in batch for tokens in beams]
+            outputs = self.generate(flat, instances[0].step_params(), use_tqdm=False)
+            start = 0
+            for inst, beams in zip(instances, batch, strict=True):
+                if beams:
+                    step = outputs[start : start + len(beams)]
+                    inst.advance([out.outputs[0].logprobs[0] for out in step])  # type: ignore[index]
+                    start += len(beams)
+            bar.update(1)
+        bar.close()
+        results = []
+        for inst in instances:
+            sequences = inst.result()
+            for seq in sequences:
+                seq.text = self.engine.tokenizer.decode(seq.tokens)
+            results.append(BeamSearchOutput(sequences=sequences))
+        return results
 
     def stats(self) -> dict:
         """KV usage (blocks held by requests), queue sizes, preemptions and prefix-cache counters."""

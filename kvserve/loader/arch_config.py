@@ -50,17 +50,41 @@ def arch_config_from_hf(config: dict[str, Any], generation_config: dict[str, Any
         qk_norm=arch == "Qwen3ForCausalLM",
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos,
+        sliding_windows=layer_windows(config),
     )
 
 
-def sliding_window_of(config: dict[str, Any]) -> int | None:
-    """The sliding window a config actually uses, if any (Qwen2 ships one but turns it off)."""
+def layer_windows(config: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's attention window as HF's modelling code applies it (transformers 5), or () when no layer has
+    one:
+
+    - Mistral: `sliding_window` on every layer (HF's Mistral ignores `layer_types`);
+    - Qwen2, Qwen3: only with `use_sliding_window`; the layers named "sliding_attention" in `layer_types`, or,
+      in configs without that list, the layers from `max_window_layers` on;
+    - Llama: none (HF's Llama has no sliding window).
+    A layer type other than "sliding_attention" / "full_attention" is refused (ValueError)."""
+    num_layers = int(config["num_hidden_layers"])
+    model_type = config.get("model_type")
     window = config.get("sliding_window")
-    if window is None or config.get("use_sliding_window") is False:
-        return None
-    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
-        return None
-    return int(window)
+    if window is None or model_type not in ("mistral", "qwen2", "qwen3"):
+        return ()
+    if model_type != "mistral" and not config.get("use_sliding_window", False):
+        return ()
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window!r}")
+    types = config.get("layer_types")
+    if model_type == "mistral":
+        types = None
+    if types is None:
+        first = int(config.get("max_window_layers", 0)) if model_type != "mistral" else 0
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ValueError(
+            f"unsupported layer_types {types!r}: kvserve runs one of 'sliding_attention' or 'full_attention' per "
+            f"layer, for each of the {num_layers} layers"
+        )
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def _rope_from_hf(config: dict[str, Any]) -> tuple[float, dict | None]:

@@ -52,7 +52,9 @@ def _fused_linear_spec(m: nn.Module) -> list[torch.Tensor] | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, cfg: ArchConfig, backend: AttentionBackend, rotary: RotaryEmbedding, layer_index: int = 0
+    ) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias
@@ -74,6 +76,7 @@ class LlamaAttention(nn.Module):
             self.qk_norm_op = QKNorm()
         self.rotary = rotary  # shared by all layers
         self.backend = backend
+        self.sliding_window = cfg.sliding_window(layer_index)  # None: the whole context
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, attn_metadata: Any) -> torch.Tensor:
         t = x.shape[0]
@@ -86,7 +89,7 @@ class LlamaAttention(nn.Module):
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
         return self.o_proj(out)
 
 
@@ -107,9 +110,11 @@ class LlamaDecoderLayer(nn.Module):
     # The whole layer in one C++ call where it can run (see `prepare_fused`); off while ops are timed one by one.
     use_fused = True
 
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, cfg: ArchConfig, backend: AttentionBackend, rotary: RotaryEmbedding, layer_index: int = 0
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, rotary)
+        self.self_attn = LlamaAttention(cfg, backend, rotary, layer_index)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -175,6 +180,7 @@ class LlamaDecoderLayer(nn.Module):
                 seq_lens,
                 self.self_attn.scale,
                 packed,
+                self.self_attn.sliding_window or 0,
             )
         if residual is None:
             residual = x
@@ -191,7 +197,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, rotary) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, rotary, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -31,8 +31,9 @@ def uses_packed_layout(backend, block_size: int) -> bool:
     return isinstance(backend, CpuKernelAttentionBackend) and backend.uses_packed_layout(block_size)
 
 
-def reference_attention(q, k, v, scale):
-    """q [Q, H, D] for the last Q positions of a sequence whose keys/values are k, v [S, Hkv, D]."""
+def reference_attention(q, k, v, scale, window=None):
+    """q [Q, H, D] for the last Q positions of a sequence whose keys/values are k, v [S, Hkv, D]; with a window,
+    each query sees its last `window` keys (itself included)."""
     num_q, num_heads, _ = q.shape
     s, num_kv, _ = k.shape
     group = num_heads // num_kv
@@ -40,7 +41,10 @@ def reference_attention(q, k, v, scale):
     v = v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,shd->hqs", q.float(), k) * scale
     q_pos = torch.arange(s - num_q, s)[:, None]
-    scores = scores.masked_fill(torch.arange(s)[None, :] > q_pos, float("-inf"))
+    hidden = torch.arange(s)[None, :] > q_pos
+    if window is not None:
+        hidden |= torch.arange(s)[None, :] <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
 
 
@@ -52,6 +56,23 @@ def reference_attention(q, k, v, scale):
 )
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_mixed_batch_matches_reference(mode, dtype, atol, num_heads, num_kv_heads, head_dim, block_size, monkeypatch):
+    check_mixed_batch(mode, dtype, atol, num_heads, num_kv_heads, head_dim, block_size, monkeypatch, None)
+
+
+@pytest.mark.parametrize("mode", ["cpp-kernel", "cpp-kernel+sdpa", "torch"])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 2, 64), (4, 1, 24), (8, 2, 128)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window", [5, 16])
+def test_sliding_window_matches_reference_and_reads_only_the_window(
+    mode, dtype, atol, num_heads, num_kv_heads, head_dim, block_size, window, monkeypatch
+):
+    """Each query sees its last `window` keys; the blocks wholly before the first query's window of a request hold
+    NaN (released blocks may hold anything), which no output may show."""
+    check_mixed_batch(mode, dtype, atol, num_heads, num_kv_heads, head_dim, block_size, monkeypatch, window)
+
+
+def check_mixed_batch(mode, dtype, atol, num_heads, num_kv_heads, head_dim, block_size, monkeypatch, window):
     use_kernel = mode != "torch"
     if mode == "cpp-kernel+sdpa":
         # With deterministic=False and the standard layout, (0, 13) and (3, 30) exceed 150 query x context pairs and
@@ -79,6 +100,10 @@ def test_mixed_batch_matches_reference(mode, dtype, atol, num_heads, num_kv_head
             b, off = block_table[i, pos // block_size], pos % block_size
             key_cache[b, off] = full_k[i][pos]
             value_cache[b, off] = full_v[i][pos]
+        if window is not None:  # blocks no query of this step may read: as if released and reused
+            for j in range(max(0, ctx - window + 1) // block_size):
+                key_cache[block_table[i, j]] = float("nan")
+                value_cache[block_table[i, j]] = float("nan")
 
     q_lens = np.array([n for _, n in seqs])
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
@@ -105,12 +130,12 @@ def test_mixed_batch_matches_reference(mode, dtype, atol, num_heads, num_kv_head
     metadata = backend.build_metadata(inputs)
     if use_kernel:  # SDPA spans only where asked, and never with the pair-packed layout
         assert len(metadata.prefills) == (2 if mode == "cpp-kernel+sdpa" and not packed else 0)
-    out = backend.forward(q, k_new, v_new, (key_cache, value_cache), metadata, scale)
+    out = backend.forward(q, k_new, v_new, (key_cache, value_cache), metadata, scale, window)
     assert out.shape == (int(qsl[-1]), num_heads * head_dim)
 
     for i in range(len(seqs)):
         s, e = int(qsl[i]), int(qsl[i + 1])
-        ref = reference_attention(q[s:e], full_k[i], full_v[i], scale)
+        ref = reference_attention(q[s:e], full_k[i], full_v[i], scale, window)
         got = out[s:e].view(e - s, num_heads, head_dim).float()
         torch.testing.assert_close(got, ref, atol=atol, rtol=atol)
     # The new tokens' K/V were written where the slot mapping says.

@@ -33,8 +33,9 @@ pytestmark = pytest.mark.skipif(
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-def reference_attention(q, k, v, scale):
-    """q [Q, H, D]: the last Q positions of a sequence whose keys/values are k, v [S, Hkv, D]; fp32 result."""
+def reference_attention(q, k, v, scale, window=None):
+    """q [Q, H, D]: the last Q positions of a sequence whose keys/values are k, v [S, Hkv, D]; fp32 result. With a
+    window, each position sees its last `window` keys, itself included."""
     num_q, num_heads, _ = q.shape
     s, num_kv, _ = k.shape
     group = num_heads // num_kv
@@ -42,7 +43,11 @@ def reference_attention(q, k, v, scale):
     v = v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,shd->hqs", q.float(), k) * scale
     q_pos = torch.arange(s - num_q, s, device=q.device)[:, None]
-    scores = scores.masked_fill(torch.arange(s, device=q.device)[None, :] > q_pos, float("-inf"))
+    k_pos = torch.arange(s, device=q.device)[None, :]
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
 
 
@@ -110,11 +115,13 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=
     )
 
 
-def check_against_reference(batch: Batch, out: torch.Tensor, num_heads: int, head_dim: int, dtype) -> None:
+def check_against_reference(
+    batch: Batch, out: torch.Tensor, num_heads: int, head_dim: int, dtype, window: int | None = None
+) -> None:
     qsl = batch.inputs.query_start_loc
     for i in range(len(batch.full_k)):
         s, e = int(qsl[i]), int(qsl[i + 1])
-        want = reference_attention(batch.q[s:e], batch.full_k[i], batch.full_v[i], head_dim**-0.5)
+        want = reference_attention(batch.q[s:e], batch.full_k[i], batch.full_v[i], head_dim**-0.5, window)
         got = out[s:e].view(e - s, num_heads, head_dim).float()
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype], msg=f"request {i}")
 
@@ -187,6 +194,28 @@ def test_random_batches(seed):
     batch = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, torch.float32, seed=seed)
     backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, torch.float32, DEVICE)
     check_against_reference(batch, run_backend(backend, batch), num_heads, head_dim, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("window", [7, 40])
+def test_sliding_window_matches_reference_and_reads_only_the_window(window, num_splits):
+    """Each token sees its last `window` keys. The blocks wholly before the window of a request's first query
+    token hold NaN (the scheduler may have given them to another request): no output may show it. Decode
+    segments of 32 keys, so a window starts segments and tiles in: those before it are skipped."""
+    dtype = torch.float32
+    batch = make_batch(MIXED, 8, 2, 64, 16, dtype, seed=2)
+    table = batch.inputs.block_table
+    for i, (ctx, _) in enumerate(MIXED):
+        for j in range(max(0, ctx - window + 1) // 16):
+            batch.key_cache[int(table[i, j])] = float("nan")
+            batch.value_cache[int(table[i, j])] = float("nan")
+    backend = TritonAttentionBackend(8, 2, 64, dtype, DEVICE, tile_n=16, decode_config=DecodeConfig(32, 16))
+    md = backend.build_metadata(batch.inputs)
+    md.num_splits = num_splits
+    kv = (batch.key_cache, batch.value_cache)
+    out = backend.forward(batch.q, batch.k_new, batch.v_new, kv, md, 64**-0.5, window)
+    assert torch.isfinite(out).all()
+    check_against_reference(batch, out, 8, 64, dtype, window)
 
 
 @pytest.mark.parametrize("num_splits", [2, 4, 16])

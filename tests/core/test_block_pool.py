@@ -4,6 +4,7 @@ import pytest
 
 from kvserve.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from kvserve.core.hashing import extend_block_hashes, hash_block_tokens, hash_request_tokens
+from kvserve.core.kv_cache_manager import SKIPPED_BLOCK, KVCacheManager
 from tests.core.helpers import make_request
 
 
@@ -216,3 +217,35 @@ def test_request_block_hashes_follow_the_shared_chain_as_it_decodes():
         req.append_output_token_id(t)
     assert req.block_hashes == hash_request_tokens(list(range(9)), 4, ("s",))
     assert len(req.block_hashes) == 2
+
+
+def test_sliding_window_releases_blocks_behind_the_window_and_hits_stay_exact():
+    """Window 6, blocks of 4: once a request has computed 16 tokens, its next queries (from position 16) read
+    keys from 11 on, so blocks 0 and 1 (positions 0-7) are released in place, still cached for prefix hits."""
+    kv = KVCacheManager(num_blocks=10, block_size=4, sliding_window=6)
+    req = make_request("a", list(range(10, 30)), block_size=4)  # 20 prompt tokens
+    assert kv.allocate_slots(req, 8) == [0, 1]
+    req.num_computed_tokens = 8
+    assert kv.allocate_slots(req, 8) == [2, 3]  # first key 3: nothing released yet
+    req.num_computed_tokens = 16
+    assert kv.allocate_slots(req, 4) == [4]
+    assert kv.get_block_ids("a") == [SKIPPED_BLOCK.block_id] * 2 + [2, 3, 4]
+    assert kv.num_held_blocks("a") == 3 and kv.pool.num_free_blocks == 7
+    assert [b.ref_cnt for b in kv.pool.blocks[:5]] == [0, 0, 1, 1, 1]
+    # Released newest first, after the never-used blocks: the chain's head is evicted last.
+    assert kv.pool.free_queue.block_ids()[-2:] == [1, 0]
+    # The same prompt hits all four full blocks, the released ones included (their KV is still valid).
+    other = make_request("b", list(range(10, 30)), block_size=4)
+    blocks, num_tokens = kv.get_computed_blocks(other)
+    assert [b.block_id for b in blocks] == [0, 1, 2, 3] and num_tokens == 16
+    kv.free(req)
+    assert kv.pool.num_free_blocks == 10 and all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_no_window_keeps_every_block():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    req = make_request("a", list(range(10, 30)), block_size=4)
+    kv.allocate_slots(req, 16)
+    req.num_computed_tokens = 16
+    kv.allocate_slots(req, 4)
+    assert kv.get_block_ids("a") == [0, 1, 2, 3, 4] and kv.num_held_blocks("a") == 5

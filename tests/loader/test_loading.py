@@ -12,7 +12,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.arg_utils import EngineArgs, resolve_dtype
-from kvserve.loader.arch_config import arch_config_from_hf, sliding_window_of
+from kvserve.loader.arch_config import arch_config_from_hf, layer_windows
 from kvserve.loader.default_model import resolve_model_path
 from kvserve.loader.gguf_weights import gguf_arch_config, hf_name, undo_rope_permutation
 from tests.conftest import hf_greedy, load_hf_model
@@ -55,11 +55,46 @@ def test_eos_ids_merge_generation_config_and_arch_flags():
             "model_type": "qwen2",
         }
     )
-    assert qwen2.attention_bias and not qwen2.qk_norm
-    assert sliding_window_of({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}) is None
-    assert sliding_window_of({"model_type": "mistral", "sliding_window": 4096}) == 4096
+    assert qwen2.attention_bias and not qwen2.qk_norm and qwen2.sliding_windows == ()
     qwen3 = arch_config_from_hf({**BASE, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
     assert qwen3.qk_norm and qwen3.head_dim == 32
+
+
+@pytest.mark.parametrize(
+    "config,windows",
+    [
+        # Mistral: every layer (HF's Mistral ignores layer_types).
+        ({"model_type": "mistral", "sliding_window": 8}, (8, 8, 8)),
+        ({"model_type": "mistral", "sliding_window": 8, "layer_types": ["full_attention"] * 3}, (8, 8, 8)),
+        ({"model_type": "mistral", "sliding_window": None}, ()),
+        # Qwen2/3: only with use_sliding_window; layer_types if given, else the layers from max_window_layers on.
+        ({"model_type": "qwen2", "sliding_window": 8, "use_sliding_window": False}, ()),
+        (
+            {"model_type": "qwen2", "sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1},
+            (None, 8, 8),
+        ),
+        (
+            {
+                "model_type": "qwen3",
+                "sliding_window": 8,
+                "use_sliding_window": True,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            },
+            (8, None, 8),
+        ),
+        ({"model_type": "qwen2", "sliding_window": 8, "use_sliding_window": True, "max_window_layers": 3}, ()),
+        # Llama: HF applies no window.
+        ({"model_type": "llama", "sliding_window": 8}, ()),
+    ],
+)
+def test_layer_windows_follow_hf(config, windows):
+    assert layer_windows({"num_hidden_layers": 3, **config}) == windows
+
+
+def test_unknown_layer_type_refused():
+    config = {"num_hidden_layers": 2, "model_type": "qwen2", "sliding_window": 8, "use_sliding_window": True}
+    with pytest.raises(ValueError, match="layer_types"):
+        layer_windows({**config, "layer_types": ["sliding_attention", "chunked_attention"]})
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,9 @@ CONDITIONS = {
     # 24 blocks of 8 hold ~1.4 of the longest requests (100 + 32 tokens): forces preemption by recompute.
     "preemption-tiny-pool": dict(block_size=8, num_kv_blocks=24, max_num_batched_tokens=64),
 }
+# Every layer windowed: requests release the blocks behind the window, so the tiny pool need not preempt them
+# (tests/models/test_sliding_window.py forces preemption there with bigger prefills).
+RELEASES_BLOCKS = {"mistral-window12"}
 
 
 def make_prompts(seed: int) -> list[list[int]]:
@@ -81,7 +84,7 @@ def test_greedy_matches_hf_under_all_conditions(name, references):
             assert stats["prefix_cache"]["num_hit_tokens"] > 0, f"{cond}: expected prefix-cache hits"
         else:
             assert stats["prefix_cache"]["num_hit_tokens"] == 0
-        if cond == "preemption-tiny-pool":
+        if cond == "preemption-tiny-pool" and name not in RELEASES_BLOCKS:
             assert stats["num_preemptions"] > 0, "the tiny pool was meant to force preemption"
         assert_all_blocks_free(llm)
 

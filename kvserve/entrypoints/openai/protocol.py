@@ -144,6 +144,9 @@ class CompletionRequest(SamplingFields):
     return_token_ids: bool = False  # vLLM's: each choice also carries its generated token ids
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
+    # vLLM's beam search fields: n beams, scored as kvserve.beam_search states.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvserve.beam_search import BeamSearchParams
 from kvserve.engine.async_llm import AsyncLLM, RequestAborted, RequestStream
 from kvserve.engine.output_processor import OutputKind
 from kvserve.entrypoints.openai.protocol import (
@@ -27,6 +28,7 @@ from kvserve.entrypoints.openai.serving_common import (
     sse,
     stream_unless_disconnected,
     to_sampling_params,
+    to_structured_outputs,
     token_text,
 )
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -49,6 +51,8 @@ class CompletionHandler:
         return list(p)
 
     async def create(self, req: CompletionRequest, raw: Request):
+        if req.use_beam_search:
+            return await self._beam_search(req, raw)
         vocab = self.engine.config.model.arch.vocab_size
         params = to_sampling_params(req, req.max_tokens, req.logprobs, vocab)
         prompts = self._prompts(req)
@@ -76,6 +80,65 @@ class CompletionHandler:
         if result is None:
             return JSONResponse({}, status_code=499)
         return result
+
+    async def _beam_search(self, req: CompletionRequest, raw: Request):
+        """`n` beams per prompt (kvserve.beam_search); the choices are the beams, best first. The options that
+        beam search does not apply are refused rather than ignored."""
+        unsupported = {
+            "stream": req.stream,
+            "logprobs": req.logprobs is not None,
+            "stop": bool(req.stop),
+            "stop_token_ids": bool(req.stop_token_ids),
+            "max_tokens": req.max_tokens is None,
+            "structured outputs": to_structured_outputs(req) is not None,
+            "kv_transfer_params": req.kv_transfer_params is not None,
+        }
+        refused = [name for name, given in unsupported.items() if given]
+        if refused:
+            raise OpenAIError(f"use_beam_search does not support: {', '.join(refused)}", param=refused[0])
+        try:
+            params = BeamSearchParams(
+                beam_width=req.n,
+                max_tokens=req.max_tokens,  # type: ignore[arg-type]
+                ignore_eos=req.ignore_eos,
+                temperature=req.temperature or 0.0,
+                length_penalty=req.length_penalty,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+        base_id = f"cmpl-{random_uuid()}"
+        created = int(time.time())
+
+        async def run() -> list[RequestOutput]:
+            prompts = self._prompts(req)
+            searches = [self.engine.beam_search(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]
+            try:
+                return list(await asyncio.gather(*searches))
+            except Exception as e:
+                raise engine_error(e) from None
+
+        # A disconnect cancels the searches, which aborts their step's requests.
+        finals = await run_unless_disconnected(raw, run(), lambda: None)
+        if finals is None:
+            return JSONResponse({}, status_code=499)
+        choices, usage = [], UsageInfo()
+        for p_idx, out in enumerate(finals):
+            usage.prompt_tokens += len(out.prompt_token_ids)
+            echo = self._echo_text(req, out)
+            for c in out.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                choices.append(
+                    CompletionChoice(
+                        index=p_idx * req.n + c.index,
+                        text=echo + c.text,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        token_ids=list(c.token_ids) if req.return_token_ids else None,
+                    )
+                )
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(id=base_id, created=created, model=self.model_name, choices=choices, usage=usage)
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -5,8 +5,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 namespace kvserve {
@@ -54,6 +56,19 @@ void parallel_over_tasks(const PagedShape& p, int64_t heads_per_task, MakeWorker
       worker(task / tasks_per_seq, (task % tasks_per_seq) * heads_per_task);
     }
   });
+}
+
+// The first key position a query row of context length len sees: with a sliding window (window > 0), its last
+// `window` keys, itself included (HF's `sliding_window`); otherwise 0. Kernels start at this position's block and
+// never read the blocks before it, which the scheduler may already have given to other requests.
+inline int64_t window_start(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+
+// Scores of the keys before the window start (the first `skip` of a block) get -inf, hence probability 0; rows of
+// nq query heads, `stride` apart.
+inline void mask_before_window(float* scores, int nq, int64_t stride, int64_t skip) {
+  if (skip <= 0) return;
+  for (int j = 0; j < nq; ++j)
+    std::fill(scores + j * stride, scores + j * stride + skip, -std::numeric_limits<float>::infinity());
 }
 
 // Online softmax: moves the running max m to new_max and returns the factor by which sums and accumulators taken

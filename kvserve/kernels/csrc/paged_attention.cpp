@@ -50,7 +50,8 @@ inline void prefetch_part(const void* p, int64_t bytes, int i, int parts) {
 // 1/Hkv of every row with a stride and stall on memory latency (measured: ~75% of cycles waiting on loads).
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
-                   const int64_t* seq_lens, T* out, const PagedShape& p, float scale, int64_t hpt) {
+                   const int64_t* seq_lens, T* out, const PagedShape& p, float scale, int64_t hpt,
+                   int64_t window) {
   const int group = static_cast<int>(p.group());
   const int hd = static_cast<int>(p.head_dim);
   const int64_t block_size = p.block_size, token_stride = p.num_kv_heads * p.head_dim;
@@ -61,7 +62,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
     return [&, qf = std::vector<float>(nq * hd), acc = std::vector<float>(nq * hd),
             scores = std::vector<float>(nq * block_size), row = std::vector<float>(token_stride),
             m = std::vector<float>(nq), l = std::vector<float>(nq)](int64_t s, int64_t h0) mutable {
-      const int64_t len = seq_lens[s];
+      const int64_t len = seq_lens[s], lo = window_start(len, window);
       const int64_t q0 = s * p.num_heads + h0 * group;  // first query head of the task
       for (int j = 0; j < nq; ++j) {
         load_row(q + (q0 + j) * hd, &qf[j * hd], hd);
@@ -71,7 +72,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
         l[j] = 0.f;
       }
       const int32_t* table = block_table + s * p.table_stride;
-      for (int64_t start = 0; start < len; start += block_size) {
+      for (int64_t start = lo / block_size * block_size; start < len; start += block_size) {
         const int64_t block = table[start / block_size];
         const int n = static_cast<int>(std::min(block_size, len - start));
         const int64_t base = block * block_size * token_stride + h0 * hd;
@@ -84,6 +85,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
           const float* k = row_as_float(k_cache + base + t * token_stride, row.data(), row_len);
           for (int j = 0; j < nq; ++j) scores[j * block_size + t] = dot(&qf[j * hd], k + (j / group) * hd, hd);
         }
+        mask_before_window(scores.data(), nq, block_size, lo - start);
         for (int j = 0; j < nq; ++j) {
           float* sc = &scores[j * block_size];
           const float r = move_max(m[j], std::max(m[j], max_of(sc, n)));
@@ -135,14 +137,14 @@ struct FastDecode {
   }
 
   static void run(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table, const int64_t* seq_lens,
-                  T* out, const PagedShape& p, float scale, int64_t hpt) {
+                  T* out, const PagedShape& p, float scale, int64_t hpt, int64_t window) {
     const int64_t block_size = p.block_size, token_stride = p.num_kv_heads * HD;
     const int nq = static_cast<int>(hpt) * G;
     parallel_over_tasks(p, hpt, [&] {
       return [&, qf_all = std::vector<float>(nq * HD), qb_all = std::vector<uint16_t>(nq * HD),
               acc = std::vector<float>(nq * HD), scores = std::vector<float>(nq * block_size),
               m = std::vector<float>(nq), l = std::vector<float>(nq)](int64_t s, int64_t h0) mutable {
-        const int64_t len = seq_lens[s];
+        const int64_t len = seq_lens[s], lo = window_start(len, window);
         const int64_t q0 = s * p.num_heads + h0 * G;
         for (int j = 0; j < nq; ++j) {
           load_row(q + (q0 + j) * HD, &qf_all[j * HD], HD);
@@ -152,7 +154,7 @@ struct FastDecode {
           l[j] = 0.f;
         }
         const int32_t* table = block_table + s * p.table_stride;
-        for (int64_t start = 0; start < len; start += block_size) {
+        for (int64_t start = lo / block_size * block_size; start < len; start += block_size) {
           const int64_t block = table[start / block_size];
           const int n = static_cast<int>(std::min(block_size, len - start));
           const bool has_next = start + block_size < len;
@@ -187,6 +189,7 @@ struct FastDecode {
               }
             }
           }
+          mask_before_window(scores.data(), nq, block_size, lo - start);
           for (int j = 0; j < nq; ++j) {
             float* sc = &scores[j * block_size];
             const float r = move_max(m[j], std::max(m[j], max_of(sc, n)));
@@ -245,9 +248,10 @@ struct FastDecode {
 }  // namespace
 
 // q [S, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table [S, max_blocks] int32;
-// seq_lens [S] int64 (each >= 1). Returns [S, H, D] in q's dtype.
+// seq_lens [S] int64 (each >= 1); window: each row sees only its last `window` keys (0: all of them). Returns
+// [S, H, D] in q's dtype.
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                                  at::Tensor seq_lens, double scale) {
+                                  at::Tensor seq_lens, double scale, int64_t window) {
   const PagedShape p = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens);
   TORCH_CHECK(p.head_dim <= kMaxHeadDim && p.group() <= kMaxGroup && p.block_size <= kMaxBlockSize,
               "head_dim, GQA group or block size too large for the CPU decode kernel");
@@ -263,9 +267,9 @@ at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v
     const int64_t* lens = seq_lens.data_ptr<int64_t>();
     T* o = out.data_ptr<T>();
     const bool fast = with_head_shape(p.head_dim, p.group(), [&](auto hd, auto g) {
-      FastDecode<decltype(hd)::value, decltype(g)::value, T>::run(qp, kc, vc, table, lens, o, p, sc, hpt);
+      FastDecode<decltype(hd)::value, decltype(g)::value, T>::run(qp, kc, vc, table, lens, o, p, sc, hpt, window);
     });
-    if (!fast) decode_kernel<T>(qp, kc, vc, table, lens, o, p, sc, hpt);
+    if (!fast) decode_kernel<T>(qp, kc, vc, table, lens, o, p, sc, hpt, window);
   });
   return out;
 }

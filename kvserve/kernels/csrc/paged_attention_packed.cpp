@@ -29,7 +29,8 @@ inline __m512bh pair_bcast(const uint32_t* p) { return (__m512bh)_mm512_set1_epi
 
 template <int HD, int G>
 void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* block_table,
-                   const int64_t* seq_lens, at::BFloat16* out, const PagedShape& shape, float scale, int64_t hpt) {
+                   const int64_t* seq_lens, at::BFloat16* out, const PagedShape& shape, float scale, int64_t hpt,
+                   int64_t window) {
   static_assert(kW == 16, "the packed layout's 16-token tiles are one AVX-512 vector");
   constexpr int NV = HD / 16;  // zmm per fp32 head row
   constexpr int NP = HD / 2;   // dim pairs per head
@@ -43,18 +44,21 @@ void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
     return [&, acc = std::vector<float>(nq * HD), m = std::vector<float>(nq),
             lsum = std::vector<float>(nq * 16)](int64_t s, int64_t h0) mutable {
       alignas(64) uint16_t p[G][16];  // one sub-tile's probabilities per query head, bf16
-      const int64_t len = seq_lens[s];
+      const int64_t len = seq_lens[s], lo = window_start(len, window);
       const int64_t q0 = s * shape.num_heads + h0 * G;  // first query head of the task
       const uint32_t* qp = reinterpret_cast<const uint32_t*>(q + q0 * HD);  // its rows as bf16 pairs
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(lsum.begin(), lsum.end(), 0.f);
       const int32_t* table = block_table + s * table_stride;
-      for (int64_t start = 0; start < len; start += block_size) {
+      for (int64_t start = lo / block_size * block_size; start < len; start += block_size) {
         const int64_t block = table[start / block_size];
         const int n = static_cast<int>(std::min(block_size, len - start));
         const bool has_next = start + block_size < len;
         const int64_t next = has_next ? table[start / block_size + 1] : 0;
+        // Keys of this block before the window: whole sub-tiles of them are skipped, the rest masked. The first
+        // sub-tile taken holds the window's first key, so the running max is finite after it.
+        const int skip = static_cast<int>(std::max<int64_t>(0, lo - start));
         for (int64_t hh = 0; hh < hpt; ++hh) {
           const int64_t head_off = (h0 + hh) * tile;
           const uint16_t* kt = k_cache + block * block_elems + head_off;
@@ -68,7 +72,7 @@ void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
           const char* pf_v = reinterpret_cast<const char*>(v_cache + next * block_elems + head_off);
           const uint32_t* qh = qp + hh * G * NP;
           float* a_mem = &acc[hh * G * HD];
-          for (int t0 = 0; t0 < n; t0 += 16) {
+          for (int t0 = skip / 16 * 16; t0 < n; t0 += 16) {
             const int cnt = std::min(16, n - t0);
             // q.k for 16 tokens: lane t of s[g] is the score of token t0 + t. Two chains per head hide latency.
             __m512 s0[G], s1[G];
@@ -86,7 +90,8 @@ void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
                 s1[g] = _mm512_dpbf16_ps(s1[g], k1, pair_bcast(qh + g * NP + dp + 1));
               }
             }
-            const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1);
+            const __mmask16 valid =
+                static_cast<__mmask16>(((1u << cnt) - 1) & ~((1u << std::max(0, skip - t0)) - 1));
             for (int g = 0; g < G; ++g) {
               const int j = static_cast<int>(hh) * G + g;
               // Lanes past the context get -inf, hence probability 0 (their cache slots hold stale finite values).
@@ -144,9 +149,10 @@ bool packed_kv_supported(int64_t head_dim, int64_t group, int64_t block_size) {
 }
 
 // q [S, H, D] bf16; k_cache, v_cache [num_blocks, block_size, Hkv, D] bf16 holding the packed layout;
-// block_table [S, max_blocks] int32; seq_lens [S] int64 (each >= 1). Returns [S, H, D] bf16.
+// block_table [S, max_blocks] int32; seq_lens [S] int64 (each >= 1); window: each row sees only its last `window`
+// keys (0: all of them). Returns [S, H, D] bf16.
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                                  at::Tensor seq_lens, double scale) {
+                                  at::Tensor seq_lens, double scale, int64_t window) {
   const PagedShape p = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16, "packed cache: bf16 only");
   TORCH_CHECK(packed_kv_supported(p.head_dim, p.group(), p.block_size),
@@ -159,7 +165,7 @@ at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v
         reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
         reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), block_table.data_ptr<int32_t>(),
         seq_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), p, static_cast<float>(scale),
-        heads_per_task(p));
+        heads_per_task(p), window);
   });
 #endif
   return out;

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.beam_search import BeamSearchParams
 from tests.entrypoints.openai.server_utils import Server, all_gone
 
 MODEL = "llama-gqa-untied"
@@ -170,6 +171,33 @@ def test_greedy_server_output_equals_offline_llm(client, model_path):
     assert got_chat.choices[0].message.content == ref_chat[0].outputs[0].text
 
 
+def test_beam_search_equals_offline_and_frees_everything(server, model_path):
+    """use_beam_search on /v1/completions: n beams per prompt, best first, as LLM.beam_search (which
+    tests/engine/test_beam_search.py holds to HF) finds them; no request or block is left afterwards."""
+    prompts = ["Hello there", "The quick brown fox"]
+    llm = LLM(model_path, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    offline = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=0.5))
+    body = dict(prompt=prompts, n=3, max_tokens=10, use_beam_search=True, length_penalty=0.5, return_token_ids=True)
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    tok = llm.get_tokenizer()
+    for p_idx, (prompt, out) in enumerate(zip(prompts, offline, strict=True)):
+        n_prompt = len(tok(prompt).input_ids)
+        for i, seq in enumerate(out.sequences):
+            choice = choices[p_idx * 3 + i]
+            assert choice["token_ids"] == seq.tokens[n_prompt:]
+            assert choice["text"] == tok.decode(seq.tokens[n_prompt:])
+            assert choice["finish_reason"] == seq.finish_reason == "length"
+    assert r.json()["usage"]["completion_tokens"] == 6 * 10
+    deadline = time.time() + 1.0
+    while time.time() < deadline and server.metric("kvserve:kv_cache_usage_perc") != 0:
+        time.sleep(0.05)
+    assert server.metric("kvserve:num_requests_running") == 0
+    assert server.metric("kvserve:kv_cache_usage_perc") == 0
+
+
 # ------------------------------------------------------------------ concurrency and metrics
 
 
@@ -242,6 +270,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, None),
     ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "stream": True}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 11}, None),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, None),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "yaml"}}, "response_format"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "[a-"}, None),
