@@ -135,7 +135,8 @@ class EngineArgs:
     prompt's chunking and of where its KV came from (README, "Deterministic inference"). True: required (refused
     where it cannot hold: the GPU, the pure-torch paths, TP > 1); False: off; None (default): on where it costs
     nothing (bf16 with the C++ kernels on CPUs with AVX512-BF16), off elsewhere (in fp32, long prompts go faster
-    through SDPA: docs/benchmarks.md, "Deterministic inference"). VLLM_BATCH_INVARIANT=1 in the environment means True when this is None.
+    through SDPA: docs/benchmarks.md, "Deterministic inference"). VLLM_BATCH_INVARIANT=1 in the environment
+    means True when this is None.
     """
 
     model: str | None = None  # None: the embedded default model
