@@ -51,6 +51,13 @@ def test_requests_follow_their_cached_prefix_and_survive_the_index_dying(model_p
     router = RouterProc([a.url, b.url], "--policy", "cache_aware", "--model", model_path, "--index-url", index.url)
     try:
         p1, p2 = tokens(1, 200), tokens(2, 200)
+        # The indexer subscribes to an instance once the router has seen it healthy, and a ZMQ subscription takes a
+        # moment to join: events published before that are never indexed (only gaps after the first batch seen are
+        # replayed). So the blocks go to b only once both instances are watched.
+        deadline = time.time() + 30
+        while time.time() < deadline and len(httpx.get(f"{router.url}/router/indexer").json()["instances"]) < 2:
+            time.sleep(0.1)
+        time.sleep(1.0)
         # p2's blocks land on b only (sent to it directly); p1's through the router (the idle tie goes to a).
         want2 = complete(b.url, model_path, p2 + [5])
         want1 = complete(router.url, model_path, p1 + [5])
@@ -62,6 +69,9 @@ def test_requests_follow_their_cached_prefix_and_survive_the_index_dying(model_p
         # Each follow-up goes where its prefix is: 192 cached prompt tokens (12 blocks) are hits there.
         assert complete(router.url, model_path, p2 + [5]) == want2
         assert complete(router.url, model_path, p1 + [5]) == want1
+        deadline = time.time() + 5  # the frontends' counters follow their engines' step reports
+        while time.time() < deadline and (hits(b) - hits_b, hits(a) - hits_a) != (192, 192):
+            time.sleep(0.1)
         assert hits(b) - hits_b == 192 and hits(a) - hits_a == 192
         metrics = httpx.get(f"{router.url}/metrics").text
         assert 'reason="cache"' in metrics
