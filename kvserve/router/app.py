@@ -11,7 +11,6 @@ instance is in rotation; /metrics has the router's counters; /router/instances s
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from kvserve.router.instances import Instance, InstanceSet
 from kvserve.router.pd import PDConfig, PDRouter
 from kvserve.router.policies import PolicyConfig, RouteInput, make_policy
 from kvserve.router.prefix import PromptHasher
-from kvserve.router.proxy import Proxy, Unreachable, error_response
+from kvserve.router.proxy import Proxy, Unreachable, error_response, json_body
 
 logger = logging.getLogger(__name__)
 
@@ -122,12 +121,9 @@ class Router:
 
     async def generate(self, path: str, request: Request) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error_response(f"malformed JSON body: {e}", 400, "BadRequestError")
+        body = json_body(raw)
         if not isinstance(body, dict):
-            return error_response("the body must be a JSON object", 400, "BadRequestError")
+            return body
         route = await self.route_input(path, body)
         tried: set[str] = set()
         while True:

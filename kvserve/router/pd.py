@@ -43,7 +43,7 @@ from fastapi.responses import Response
 from kvserve.router.instances import Instance, InstanceSet
 from kvserve.router.policies import PolicyConfig, RouteInput, make_policy
 from kvserve.router.prefix import PromptHasher
-from kvserve.router.proxy import Proxy, Unreachable, Upstream, error_response
+from kvserve.router.proxy import Proxy, Unreachable, Upstream, error_response, json_body
 
 logger = logging.getLogger(__name__)
 
@@ -178,12 +178,9 @@ class PDRouter:
 
     async def generate(self, path: str, request: Request) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error_response(f"malformed JSON body: {e}", 400, "BadRequestError")
+        body = json_body(raw)
         if not isinstance(body, dict):
-            return error_response("the body must be a JSON object", 400, "BadRequestError")
+            return body
         route = self._route_input(path, body)
         if several_prompts(path, body):
             work = self._direct(path, body, route, "several_prompts")

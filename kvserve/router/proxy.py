@@ -27,6 +27,17 @@ from kvserve.router.instances import Instance, InstanceSet, RequestTicket
 logger = logging.getLogger(__name__)
 
 
+def json_body(raw: bytes) -> dict | JSONResponse:
+    """A request body as a JSON object, or the 400 that answers it (both router modes take bodies this way)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return error_response(f"malformed JSON body: {e}", 400, "BadRequestError")
+    if not isinstance(body, dict):
+        return error_response("the body must be a JSON object", 400, "BadRequestError")
+    return body
+
+
 def error_response(message: str, status: int, err_type: str = "ServiceUnavailableError") -> JSONResponse:
     """OpenAI's error body."""
     return JSONResponse({"error": {"message": message, "type": err_type, "param": None, "code": status}}, status)
