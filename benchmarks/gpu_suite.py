@@ -74,6 +74,8 @@ DEVICE = "cuda"  # "cpu" with --smoke
 # Engine modes of the perf stages: CUDA graphs; graphs with async scheduling (the host schedules and launches step
 # N+1 while the GPU runs step N); eager.
 MODES = ("graphs", "graphs-async", "eager")
+# The roofline stage's A/B of the batch-1 Triton GEMV: the same mode with cuBLAS for every linear.
+ROOFLINE_MODES = MODES + ("graphs-async-cublas",)
 # --smoke: tiny stand-ins for the measured shapes (random weights, as there).
 SMOKE_SHAPES = {"llama3-8b": "tiny-llama", "qwen3-0.6b": "tiny-qwen3"}
 
@@ -394,17 +396,24 @@ def stage_roofline(res: dict, args) -> None:
     out: dict = {"model": "llama3-8b shape, random bf16 weights", "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
     for mode in args.roofline_modes:
         graphs = mode != "eager"
-        llm = LLM(
-            folder,
-            load_format="dummy",
-            dtype="bfloat16",
-            device=DEVICE,
-            max_model_len=2048,
-            max_num_seqs=8,
-            enforce_eager=not graphs,
-            async_scheduling=mode.endswith("-async"),
-        )
-        weight_bytes = weights_read_per_step(llm.engine.engine_core.executor.driver_runner.model)
+        cublas = mode.endswith("-cublas")
+        if cublas:
+            os.environ["KVSERVE_TRITON_GEMV"] = "0"
+        try:
+            llm = LLM(
+                folder,
+                load_format="dummy",
+                dtype="bfloat16",
+                device=DEVICE,
+                max_model_len=2048,
+                max_num_seqs=8,
+                enforce_eager=not graphs,
+                async_scheduling="-async" in mode,
+            )
+        finally:
+            os.environ.pop("KVSERVE_TRITON_GEMV", None)
+        runner = llm.engine.engine_core.executor.driver_runner
+        weight_bytes = weights_read_per_step(runner.model)
         step = decode_step_time(llm, prompt, args.roofline_short, args.roofline_long)
         floor = weight_bytes / bandwidth
         key = mode
@@ -414,11 +423,18 @@ def stage_roofline(res: dict, args) -> None:
             "roofline_ms": round(floor * 1e3, 3),
             "fraction_of_roofline": round(floor / step, 3),
             "tokens_per_s": round(1 / step, 1),
+            "batch1_linears": {
+                "x".join(map(str, key[:2])) + ("+bias" if key[3] else ""): {
+                    "choice": repr(v["choice"]) if v["choice"] else "cublas",
+                    "us": v["us"],
+                }
+                for key, v in runner.gemv_choices.items()
+            },
         }
         out[key].update(step_breakdown(llm, prompt, args.roofline_long, graphs))
         log(f"roofline {key}: {out[key]}")
         llm.shutdown()
-        del llm
+        del llm, runner
         release_memory()
     res["roofline"] = out
 
@@ -566,7 +582,7 @@ def summary(res: dict) -> str:
             cells = " ".join(f"{k}={'same' if v['identical'] else v['first_divergence']}" for k, v in row.items())
             lines.append(f"parity {name}: {cells}")
     if "roofline" in res:
-        for key in MODES:
+        for key in ROOFLINE_MODES:
             r = res["roofline"].get(key)
             if r:
                 lines.append(
@@ -636,7 +652,7 @@ def main() -> int:
     p.add_argument("--roofline-short", type=int, default=64)
     p.add_argument("--roofline-long", type=int, default=576)
     p.add_argument("--throughput-modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--roofline-modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--roofline-modes", nargs="+", choices=ROOFLINE_MODES, default=list(MODES))
     p.add_argument("--tests-timeout", type=int, default=420)
     p.add_argument("--tests", nargs="+", default=None, help="test files for the tests stage (default: all listed)")
     p.add_argument("--profile-steps", type=int, default=20, help="throughput: steps in the profiled window (0: none)")

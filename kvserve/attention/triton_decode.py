@@ -43,9 +43,11 @@ class DecodeConfig:
     backend; the others change only speed (tile_n divides segment)."""
 
     segment: int = 256  # keys per segment
-    tile_n: int = 64  # keys per inner-loop tile
+    # 128-key tiles, 2 stages: of 14 configs timed on an H200 (one layer, graph replays, docs/benchmarks.md), the
+    # fastest at batch 256 (386 us vs 394 for 64-key tiles) and among the fastest at batch 1 (11.4 vs 13.7 us).
+    tile_n: int = 128  # keys per inner-loop tile
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
 
 
 def first_segments(seq_lens: np.ndarray, segment: int) -> np.ndarray:

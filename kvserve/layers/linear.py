@@ -63,6 +63,8 @@ class Linear(nn.Module):
         # 2] bf16 (linear_bf16.cpp, AVX512-BF16)
         self._panel_kind = "float"
         self._kernels: ModuleType | None = None  # the C++ kernels, which read _panels
+        # CUDA, half types: the Triton GEMV config that beat cuBLAS at batch 1 on this shape (kernels/triton_gemv.py)
+        self.gemv_config = None
 
     def pack_for_cpu(self) -> None:
         """Put the weight in the form the CPU matmuls read fastest, once weights are loaded. Irreversible."""
@@ -110,6 +112,10 @@ class Linear(nn.Module):
             return self._kernels.linear_packed(x, self._panels, self.out_features, bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        if self.gemv_config is not None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
+            from kvserve.kernels.triton_gemv import gemv
+
+            return gemv(x, self.weight, bias, self.gemv_config)
         return F.linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:

@@ -25,6 +25,7 @@ last hidden states, and hands its draft distributions q to the next verification
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -163,8 +164,16 @@ class ModelRunner:
             config.deterministic,
         )
         start = time.perf_counter()
+        self.gemv_choices: dict = {}  # (N, K, dtype, bias) -> the batch-1 GEMV chosen and the timings behind it
         self.model = load_model(config, self.attn_backend)
         logger.info("loaded %s in %.1fs", config.model, time.perf_counter() - start)
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        if self.on_gpu and half and os.environ.get("KVSERVE_TRITON_GEMV") != "0":
+            # Batch-1 linears: a Triton GEMV where it measured faster than cuBLAS on this card (the decode graph
+            # of batch 1 then captures it). KVSERVE_TRITON_GEMV=0 keeps cuBLAS everywhere (A/B runs).
+            from kvserve.kernels.triton_gemv import assign_gemv
+
+            self.gemv_choices = assign_gemv(self.model)
         # "on" or "off (why)"; raises if deterministic=True cannot hold here.
         self.deterministic = resolve_deterministic(config.deterministic, self.model, self.attn_backend, self.block_size)
         self.weight_bytes = model_weight_bytes(self.model)
