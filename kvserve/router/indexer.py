@@ -1,11 +1,13 @@
 """The indexer: a thread of the router that subscribes to every instance's KV events (ZMQ SUB, the wire of
 engine/kv_events_publisher.py) and applies them to the global prefix index (router/index.py).
 
-Each instance's batches carry sequence numbers. A gap (the PUB socket dropped messages, or the subscriber joined
-late) is filled from the instance's replay socket when it has one; otherwise, and when the number goes back (the
-instance restarted), the instance's entries are dropped, since some of them may be wrong, and rebuilt from the
-events that follow. An index that cannot be written marks every instance stale; once it can be written again their
-entries are dropped and rebuilt the same way. An instance that leaves the rotation is forgotten. All of this keeps
+Each instance's batches carry sequence numbers. On watch, an instance with a replay socket is asked for every
+batch it still holds, so that a router started beside warm instances knows what they stored before it came (the
+SUB socket's copies of those batches are then skipped). A gap (the PUB socket dropped messages) is filled from the
+replay socket too; otherwise, and when the number goes back (the instance restarted), the instance's entries are
+dropped, since some of them may be wrong, and rebuilt from the events that follow. An index that cannot be
+written marks every instance stale; once it can be written again their entries are dropped and rebuilt the same
+way. An instance that leaves the rotation is forgotten. All of this keeps
 the index a hint that is either right or missing, never a cause of a failed request.
 """
 
@@ -36,6 +38,8 @@ class _Source:
     replay_endpoint: str | None
     socket: zmq.Socket
     last_seq: int | None = None
+    # After the catch-up replay on watch: the SUB socket's batches up to this one were applied from the replay.
+    replayed_to: int | None = None
 
 
 @dataclass
@@ -108,9 +112,11 @@ class Indexer:
                 sock.setsockopt(zmq.SUBSCRIBE, self.topic)
                 sock.setsockopt(zmq.RCVHWM, 100_000)
                 sock.connect(endpoint)
-                self._sources[instance] = _Source(instance, endpoint, replay, sock)
+                source = _Source(instance, endpoint, replay, sock)
+                self._sources[instance] = source
                 poller.register(sock, zmq.POLLIN)
                 logger.info("indexing KV events of %s from %s", instance, endpoint)
+                self._catch_up(source)
             self.stats.instances = sorted(self._sources)
 
     def _drain(self, source: _Source) -> None:
@@ -122,6 +128,10 @@ class Indexer:
             except ValueError:
                 continue
             seq = int.from_bytes(seq_bytes, "big")
+            if source.replayed_to is not None:
+                if seq <= source.replayed_to:
+                    continue  # applied from the catch-up replay already
+                source.replayed_to = None
             last = source.last_seq
             if last is not None and seq <= last:
                 logger.info(
@@ -153,8 +163,17 @@ class Indexer:
             self._stale.update(self._sources)
             self._index_down_until = time.monotonic() + _RETRY_S
 
-    def _replay(self, source: _Source, start: int, stop: int) -> bool:
-        """Fetch batches [start, stop) from the instance's replay socket and apply them; False if it cannot."""
+    def _catch_up(self, source: _Source) -> None:
+        """Apply every batch a newly watched instance still holds (its replay buffer, oldest first). Batches it
+        dropped from the buffer are missing from the index, never wrong there: a block's removal comes after its
+        store."""
+        if source.replay_endpoint and self._replay(source, 0, None):
+            source.replayed_to = source.last_seq
+
+    def _replay(self, source: _Source, start: int, stop: int | None) -> bool:
+        """Fetch batches [start, stop) from the instance's replay socket and apply them; False if it cannot.
+        `stop` None (the catch-up): from the oldest batch it holds at or after `start` to its newest, each
+        recorded as the last seen."""
         if not source.replay_endpoint:
             return False
         sock = self._ctx.socket(zmq.DEALER)
@@ -168,7 +187,12 @@ class Indexer:
                 _, seq_bytes, payload = sock.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq == _END:
-                    return expected >= stop
+                    return stop is None or expected >= stop
+                if stop is None:
+                    self._apply(source.instance, payload)
+                    source.last_seq = seq
+                    expected = seq + 1
+                    continue
                 if seq != expected:
                     return False  # the instance no longer has them
                 if seq < stop:

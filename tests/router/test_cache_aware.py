@@ -48,18 +48,16 @@ def test_requests_follow_their_cached_prefix_and_survive_the_index_dying(model_p
     index = ValkeyService()
     a = Server(model_path, *ARGS, *events_args())
     b = Server(model_path, *ARGS, *events_args())
-    router = RouterProc([a.url, b.url], "--policy", "cache_aware", "--model", model_path, "--index-url", index.url)
+    router = None
     try:
         p1, p2 = tokens(1, 200), tokens(2, 200)
-        # The indexer subscribes to an instance once the router has seen it healthy, and a ZMQ subscription takes a
-        # moment to join: events published before that are never indexed (only gaps after the first batch seen are
-        # replayed). So the blocks go to b only once both instances are watched.
+        # p2's blocks land on b before the router exists: its indexer learns of them on watch, from b's replay socket.
+        want2 = complete(b.url, model_path, p2 + [5])
+        router = RouterProc([a.url, b.url], "--policy", "cache_aware", "--model", model_path, "--index-url", index.url)
         deadline = time.time() + 30
         while time.time() < deadline and len(httpx.get(f"{router.url}/router/indexer").json()["instances"]) < 2:
             time.sleep(0.1)
-        time.sleep(1.0)
-        # p2's blocks land on b only (sent to it directly); p1's through the router (the idle tie goes to a).
-        want2 = complete(b.url, model_path, p2 + [5])
+        # p1's through the router (the idle tie goes to a).
         want1 = complete(router.url, model_path, p1 + [5])
         deadline = time.time() + 10
         while time.time() < deadline and httpx.get(f"{router.url}/router/indexer").json()["batches"] < 2:
@@ -81,7 +79,8 @@ def test_requests_follow_their_cached_prefix_and_survive_the_index_dying(model_p
             assert complete(router.url, model_path, tokens(10 + i, 40))
         assert 'reason="no_index"' in httpx.get(f"{router.url}/metrics").text
     finally:
-        router.stop()
+        if router is not None:
+            router.stop()
         a.stop()
         b.stop()
         index.stop()
