@@ -23,7 +23,7 @@ class ArchConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # the norms' epsilon (BLOOM's LayerNorms: layer_norm_epsilon)
     rope_theta: float
     max_position_embeddings: int
     rope_scaling: dict | None = field(default=None, hash=False)
@@ -35,6 +35,11 @@ class ArchConfig:
     # Per layer: the keys a query sees, itself included (HF's `sliding_window`), or None for full attention.
     # Empty: every layer attends over the whole context.
     sliding_windows: tuple[int | None, ...] = ()
+
+    # ALiBi position biases (kvserve/layers/alibi.py) instead of RoPE: BLOOM.
+    alibi: bool = False
+    # BLOOM's apply_residual_connection_post_layernorm: each residual branch starts from the normed input.
+    residual_post_layernorm: bool = False
 
     def sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None

@@ -81,6 +81,21 @@ TINY_MODELS = {
             layer_types=["sliding_attention", "full_attention"],
         ),
     ),
+    # ALiBi (tests/models/test_alibi.py): 6 heads, which takes HF's slope rule for head counts that are not a power
+    # of two; head_dim 16. BLOOM's MLP is 4 x hidden (no intermediate_size). Untied: with the tiny model's biases, a
+    # tied LM head (the 0.02 embedding) gives greedy outputs of a few distinct tokens; the untied head ~25 in 32.
+    "bloom-alibi": ("BloomConfig", dict(hidden_size=96, n_head=6, layer_norm_epsilon=1e-5, tie_word_embeddings=False)),
+    # BLOOM's own habits: the LM head tied to the embedding, and apply_residual_connection_post_layernorm.
+    "bloom-tied-post-ln": (
+        "BloomConfig",
+        dict(
+            hidden_size=96,
+            n_head=6,
+            layer_norm_epsilon=1e-5,
+            initializer_range=0.3,
+            apply_residual_connection_post_layernorm=True,
+        ),
+    ),
     "qwen2-bias-tied": (
         "Qwen2Config",
         dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
@@ -152,12 +167,13 @@ def build_tiny_model(name: str, folder: str, tokenizer) -> str:
                 p.normal_(0.0, 0.2)
             elif "norm" in pname:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "embed_tokens" in pname:
+            elif "embed_tokens" in pname or "word_embeddings" in pname:
                 p.normal_(0.0, 0.02)
         if config.tie_word_embeddings:
             # Tied logits use the small embedding matrix; scale them up to the untied models' range so that the
             # top-2 logit gaps stay far above fp32 rounding.
-            model.model.norm.weight.mul_(10.0)
+            final_norm = model.transformer.ln_f if hasattr(model, "transformer") else model.model.norm
+            final_norm.weight.mul_(10.0)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -75,11 +75,14 @@ class AttentionBackend(ABC):
         metadata: Any,
         scale: float,
         sliding_window: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,  # [num_heads] fp32, this rank's query heads
     ) -> torch.Tensor:
         """Write k/v of the new tokens into the cache, then attend over each request's whole context, or with a
         `sliding_window` (this layer's AttentionSpec) over each query's last `sliding_window` keys, itself
         included. A windowed read never touches a block that lies wholly before its query's window: the scheduler
         may have freed such blocks (kvserve/core/kv_cache_manager.py) and given them to other requests.
+        With `alibi_slopes` (ALiBi, kvserve/layers/alibi.py), head h's score of a key at position k for a query at
+        position p gets slope[h] * (k - p) added after the scale.
 
         All writes of the step happen before any read, so a request may read blocks that another request of
         the same step is filling (prefix-cache hits on blocks scheduled in that step). Returns

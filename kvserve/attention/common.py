@@ -43,16 +43,19 @@ def sdpa_prefill_spans(
     scale: float,
     out: torch.Tensor,  # [T, H, hd], rows of the spans filled here
     sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # [H] fp32
 ) -> None:
     """Each prefill chunk through SDPA, over its own fresh K/V or, after cached context, the gathered blocks (of
     the standard layout): with a sliding window, only the blocks from the one holding the first query's first key
-    on."""
+    on; with ALiBi slopes, each head's position biases in the mask."""
     key_cache, value_cache = kv_cache
     hkv, hd = k.shape[1], k.shape[2]
     for span in spans:
         s, e = span.query_start, span.query_start + span.query_len
         if span.mask is None:  # no cached context: the chunk's own K/V are the whole context
-            mask = None if sliding_window is None else window_mask(span.query_len, span.query_len, 0, sliding_window)
+            mask = None
+            if sliding_window is not None or alibi_slopes is not None:
+                mask = context_mask(span.query_len, span.query_len, 0, sliding_window, alibi_slopes, q.dtype)
             out[s:e] = sdpa(q[s:e], k[s:e], v[s:e], mask, scale)
             continue
         first_key = 0
@@ -60,19 +63,41 @@ def sdpa_prefill_spans(
         if sliding_window is not None:
             first_query = span.seq_len - span.query_len
             first_key = max(0, first_query - sliding_window + 1) // span.block_size * span.block_size
-            mask = window_mask(span.query_len, span.seq_len, first_key, sliding_window)
+        if sliding_window is not None or alibi_slopes is not None:
+            mask = context_mask(span.query_len, span.seq_len, first_key, sliding_window, alibi_slopes, q.dtype)
         block_ids = span.block_ids[first_key // span.block_size :]
         keys = key_cache.index_select(0, block_ids).reshape(-1, hkv, hd)[: span.seq_len - first_key]
         values = value_cache.index_select(0, block_ids).reshape(-1, hkv, hd)[: span.seq_len - first_key]
         out[s:e] = sdpa(q[s:e], keys, values, mask, scale)
 
 
-def window_mask(query_len: int, seq_len: int, first_key: int, window: int) -> torch.Tensor:
+def window_mask(query_len: int, seq_len: int, first_key: int, window: int | None) -> torch.Tensor:
     """[query_len, seq_len - first_key] bool: the query tokens (the context's last query_len positions) against
-    the keys from position first_key on; a query sees the keys of the window ending at itself."""
+    the keys from position first_key on; a query sees the keys up to itself, or with a window, the keys of the
+    window ending at itself."""
     q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
     k_pos = torch.arange(first_key, seq_len)[None, :]
-    return (k_pos <= q_pos) & (k_pos > q_pos - window)
+    visible = k_pos <= q_pos
+    return visible if window is None else visible & (k_pos > q_pos - window)
+
+
+def context_mask(
+    query_len: int,
+    seq_len: int,
+    first_key: int,
+    window: int | None,
+    alibi_slopes: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """SDPA's mask for a chunk: window_mask's bool [query_len, seq_len - first_key], or with ALiBi slopes a float
+    [H, query_len, seq_len - first_key] of slope[h] * (key position - query position), -inf where hidden."""
+    visible = window_mask(query_len, seq_len, first_key, window)
+    if alibi_slopes is None:
+        return visible
+    q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
+    k_pos = torch.arange(first_key, seq_len)[None, :]
+    bias = alibi_slopes.float()[:, None, None] * (k_pos - q_pos).float()  # [H, Q, K]
+    return bias.masked_fill_(~visible, float("-inf")).to(dtype)
 
 
 def sdpa(

@@ -162,6 +162,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
         metadata: CpuKernelMetadata,
         scale: float,
         sliding_window: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         num_tokens = q.shape[0]
@@ -188,6 +189,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
                 metadata.token_seq_lens,
                 scale,
                 window,
+                alibi_slopes,
             )
             return out.view(num_tokens, -1)
         out = torch.empty(num_tokens, self.num_heads, hd, dtype=q.dtype)
@@ -200,7 +202,8 @@ class CpuKernelAttentionBackend(AttentionBackend):
                 metadata.token_seq_lens,
                 scale,
                 window,
+                alibi_slopes,
             )
         assert not metadata.packed, "the pair-packed layout never sends chunks to SDPA"
-        sdpa_prefill_spans(q, k, v, kv_cache, metadata.prefills, scale, out, sliding_window)
+        sdpa_prefill_spans(q, k, v, kv_cache, metadata.prefills, scale, out, sliding_window, alibi_slopes)
         return out.view(num_tokens, -1)

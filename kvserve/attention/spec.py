@@ -15,3 +15,6 @@ class AttentionSpec:
     kv_dtype: str  # what a K/V element is stored as: "float32" | "bfloat16" | "float16"
     # Keys a query may see, itself included (HF's `sliding_window`); None: the whole context.
     sliding_window: int | None = None
+    # ALiBi position biases (kvserve/layers/alibi.py): the layer passes its heads' slopes to the backend. The cached
+    # K/V are the same as without (the biases are added to the scores), so this changes no block's bytes.
+    alibi: bool = False

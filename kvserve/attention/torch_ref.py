@@ -63,6 +63,7 @@ class TorchRefAttentionBackend(AttentionBackend):
         metadata: TorchRefMetadata,
         scale: float,
         sliding_window: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         num_tokens = q.shape[0]
@@ -76,13 +77,14 @@ class TorchRefAttentionBackend(AttentionBackend):
         value_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, v)
 
         d = metadata.num_decodes
-        w = sliding_window
+        w, slopes = sliding_window, alibi_slopes
         if d == num_tokens:  # decodes only (the common step): no output buffer to fill
-            return self._decode(q.contiguous(), key_cache, value_cache, metadata, scale, w).view(num_tokens, -1)
+            out = self._decode(q.contiguous(), key_cache, value_cache, metadata, scale, w, slopes)
+            return out.view(num_tokens, -1)
         out = torch.empty(num_tokens, self.num_heads, hd, dtype=q.dtype)
         if d:
-            out[:d] = self._decode(q[:d].contiguous(), key_cache, value_cache, metadata, scale, w)
-        sdpa_prefill_spans(q, k, v, kv_cache, metadata.prefills, scale, out, w)
+            out[:d] = self._decode(q[:d].contiguous(), key_cache, value_cache, metadata, scale, w, slopes)
+        sdpa_prefill_spans(q, k, v, kv_cache, metadata.prefills, scale, out, w, slopes)
         return out.view(num_tokens, self.num_heads * hd)
 
     def _decode(
@@ -93,9 +95,11 @@ class TorchRefAttentionBackend(AttentionBackend):
         metadata: TorchRefMetadata,
         scale: float,
         sliding_window: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decodes' attention over their padded gathered contexts: [D, H, hd]. With a sliding window, each
-        context starts at the block holding its window's first key (a request's own block ids from there on)."""
+        context starts at the block holding its window's first key (a request's own block ids from there on); with
+        ALiBi slopes, each head's score of a key gets slope * (key position - query position)."""
         assert metadata.decode_block_table is not None and metadata.decode_seq_lens is not None
         d = q.shape[0]
         hkv, hd = self.num_kv_heads, self.head_dim
@@ -118,6 +122,10 @@ class TorchRefAttentionBackend(AttentionBackend):
         qg = q.view(d, hkv, self.group, hd)
         scores = torch.matmul(qg, keys.transpose(2, 3)) * scale  # [D, Hkv, G, L]
         positions = first_key[:, None] + torch.arange(ctx_len)[None, :]  # [D, L]
+        if alibi_slopes is not None:
+            rel = (positions - (seq_lens - 1)[:, None]).float()  # [D, L], the query at position seq_len - 1
+            slopes = alibi_slopes.float().view(hkv, self.group)
+            scores += (slopes[None, :, :, None] * rel[:, None, None, :]).to(scores.dtype)
         hidden = positions >= seq_lens[:, None]
         if sliding_window is not None:
             hidden |= positions < (seq_lens - sliding_window)[:, None]

@@ -214,6 +214,7 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: TritonAttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         window = sliding_window or 0  # the kernels' "no window"
         key_cache, value_cache = kv_cache
@@ -238,6 +239,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 self.decode_config,
                 window,
+                alibi_slopes,
             )
         paged_attention(
             q,
@@ -255,6 +257,7 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.num_splits,
             first_token=nd,  # the decode rows' tokens (one each, first) are written above
             window=window,
+            alibi_slopes=alibi_slopes,
         )
         return out.view(q.shape[0], -1)
 

@@ -91,6 +91,7 @@ def _decode_segments_kernel(
     segs_per_program,
     programs_per_req,
     window,  # the query sees its last `window` keys; 0: all of them
+    alibi_ptr,  # [H] fp32 ALiBi slopes; unused without ALIBI
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -100,6 +101,7 @@ def _decode_segments_kernel(
     SEG_TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ALIBI: tl.constexpr,  # add slope * (key position - query position) to each head's scores
 ):
     pid = tl.program_id(0)
     req = pid // programs_per_req
@@ -136,6 +138,8 @@ def _decode_segments_kernel(
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        if ALIBI:
+            slope_log2 = tl.load(alibi_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634  # [GROUP_PAD]
         for t in range(tile_lo, tile_hi):
             pos = t * TILE_N + offs_n
             key_valid = (pos < seq_len) & (pos >= lo)
@@ -148,6 +152,8 @@ def _decode_segments_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, TILE_N]
+            if ALIBI:  # the query sits at position seq_len - 1
+                s += slope_log2[:, None] * (pos - seq_len + 1).to(tl.float32)[None, :]
             s = tl.where(key_valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile from the window's first holds a valid key
             p = tl.exp2(s - m_new[:, None])
@@ -231,9 +237,11 @@ def decode_attention(
     scale: float,
     config: DecodeConfig,
     window: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each request's single query token over its keys (this step's K/V written first), or with
-    `window` > 0 over its last `window` keys only. Returns `out`."""
+    `window` > 0 over its last `window` keys only; `alibi_slopes` ([H] fp32): head h's score of key position k
+    gets slope[h] * (k - the query's position). Returns `out`."""
     num_reqs, num_heads, head_dim = q.shape
     if num_reqs == 0 or num_slots == 0:
         return out
@@ -268,6 +276,7 @@ def decode_attention(
         segs_per_program,
         programs_per_req,
         window,
+        alibi_slopes if alibi_slopes is not None else max_buf,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -278,6 +287,7 @@ def decode_attention(
         # fp32 models get fp32 dots (Triton's default for fp32 is tf32: no HF parity).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=not on_gpu,  # the interpreter's tl.dot mishandles bf16 and fp16
+        ALIBI=alibi_slopes is not None,
         **launch,
     )
     _combine_segments_kernel[(num_reqs, num_heads)](

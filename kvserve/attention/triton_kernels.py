@@ -92,6 +92,7 @@ def _paged_attention_kernel(
     stride_ch,
     stride_bt,
     window,  # each row sees its last `window` keys, itself included; 0: all of them
+    alibi_ptr,  # [H] fp32 ALiBi slopes; unused without ALIBI
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
@@ -102,6 +103,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # compute the dots in fp32 (the interpreter's tl.dot mishandles bf16 and fp16)
+    ALIBI: tl.constexpr,  # add slope * (key position - query position) to each row's scores
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -141,6 +143,8 @@ def _paged_attention_kernel(
     tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
     # The oldest key each row sees: itself and the window - 1 keys before it.
     row_lo = tl.where(window > 0, q_pos - window + 1, 0)
+    if ALIBI:
+        slope_log2 = tl.load(alibi_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634  # [BLOCK_M]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -160,6 +164,8 @@ def _paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        if ALIBI:
+            s += slope_log2[:, None] * (pos[None, :] - q_pos[:, None]).to(tl.float32)
         visible = key_valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= row_lo[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -279,13 +285,15 @@ def paged_attention(
     num_splits: int = 1,
     first_token: int = 0,
     window: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the query tokens the programs cover over their request's keys, read through the block table
     (K/V of this step's tokens must be written first). `block_m` rows per program (BLOCK_Q = block_m // group
     tokens, the stride of `prog_qstart`); `num_splits` > 1 (a power of 2) splits each program's keys over that
     many programs and reduces after, over tokens `first_token`.. (the programs must cover them all: tokens before
     belong to another kernel, the decode rows of triton_decode.py). `window` > 0: each token sees only its last
-    `window` keys, and no key before the window of a program's first token is loaded. Returns `out`."""
+    `window` keys, and no key before the window of a program's first token is loaded. `alibi_slopes` ([H] fp32):
+    head h's score of key position k for a query at position p gets slope[h] * (k - p). Returns `out`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -325,6 +333,7 @@ def paged_attention(
         key_cache.stride(2),
         block_table.stride(0),
         window,
+        alibi_slopes if alibi_slopes is not None else max_buf,
         GROUP=group,
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
@@ -335,6 +344,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         DOT_PRECISION=precision,
         UPCAST=q.device.type == "cpu",
+        ALIBI=alibi_slopes is not None,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens - first_token, num_heads)](

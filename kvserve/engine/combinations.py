@@ -42,6 +42,13 @@ def _window(c: EngineConfig) -> bool:
     return c.model.arch.has_sliding_window
 
 
+_ALIBI = "an ALiBi model"
+
+
+def _alibi(c: EngineConfig) -> bool:
+    return c.model.arch.alibi
+
+
 # Refused before anything loads.
 RULES: tuple[Rule, ...] = (
     Rule(
@@ -105,6 +112,17 @@ RULES: tuple[Rule, ...] = (
         f"{_WINDOW} with preemption_mode swap",
         lambda c: _window(c) and c.scheduler.preemption_mode == "swap",
         "swap copies whole block tables, whose blocks behind the window are released (use recompute)",
+    ),
+    Rule(
+        f"{_ALIBI} on the GPU",
+        lambda c: _alibi(c) and _gpu(c),
+        "not supported on the GPU yet: the Triton kernels take the ALiBi slopes (checked in Triton's interpreter on "
+        "the CPU) but have not run compiled on a GPU, nor in the captured decode graphs",
+    ),
+    Rule(
+        f"{_ALIBI} with EAGLE speculation",
+        lambda c: _alibi(c) and c.speculative is not None and c.speculative.method == "eagle",
+        "the EAGLE head reads the target's Llama embedding and final RMSNorm, which BLOOM does not have",
     ),
     # deterministic=None means "where it holds" and is never refused; only an explicit True is.
     Rule(

@@ -1,4 +1,4 @@
-"""Gated activations."""
+"""Activations: gated (SiluAndMul) and plain (BLOOM's tanh GELU)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,11 @@ class SiluAndMul(CustomOp):
         from kvserve.kernels import triton_ops
 
         return triton_ops.silu_and_mul(x)
+
+
+class BloomGelu(CustomOp):
+    """GELU's tanh approximation exactly as HF's BLOOM computes it (its constant 0.79788456 for sqrt(2 / pi), so
+    not F.gelu(approximate="tanh") to the bit)."""
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))

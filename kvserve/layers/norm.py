@@ -1,8 +1,9 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it; LayerNorm (BLOOM)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvserve.layers.custom_op import CustomOp
@@ -91,3 +92,22 @@ class QKNorm(CustomOp):
         from kvserve.kernels import triton_ops
 
         triton_ops.qk_norm_(qkv, q_norm.weight, k_norm.weight, q_norm.eps, num_heads, num_kv_heads)
+
+
+class LayerNorm(CustomOp):
+    """LayerNorm with a weight and a bias over the last dim (BLOOM's norms): torch's own kernel on every device, so
+    fp32 results equal HF's to the bit. forward(x) -> norm(x); never in place."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, device: torch.device | str | None = None, use_kernel: bool = True
+    ) -> None:
+        super().__init__(device, use_kernel)
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, impl={self.impl}"

@@ -11,7 +11,13 @@ from kvserve.config import ArchConfig
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "BloomForCausalLM",
+)
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -23,15 +29,17 @@ def arch_config_from_hf(config: dict[str, Any], generation_config: dict[str, Any
             f"unsupported model architecture {archs or config.get('model_type')!r}; "
             f"kvserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    eos = _as_ids(config.get("eos_token_id"))
+    if generation_config:
+        eos = _merge_ids(eos, _as_ids(generation_config.get("eos_token_id")))
+    if arch == "BloomForCausalLM":
+        return bloom_arch_config(config, eos)
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope_from_hf(config)
-    eos = _as_ids(config.get("eos_token_id"))
-    if generation_config:
-        eos = _merge_ids(eos, _as_ids(generation_config.get("eos_token_id")))
     return ArchConfig(
         architecture=arch,
         vocab_size=config["vocab_size"],
@@ -51,6 +59,36 @@ def arch_config_from_hf(config: dict[str, Any], generation_config: dict[str, Any
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos,
         sliding_windows=layer_windows(config),
+    )
+
+
+def bloom_arch_config(config: dict[str, Any], eos_token_ids: tuple[int, ...]) -> ArchConfig:
+    """BLOOM (HF's BloomConfig, older configs' names too: n_embed, num_attention_heads): ALiBi attention with every
+    head its own KV head, LayerNorms with biases, a 4x GELU MLP, the LM head tied to the embedding by default. BLOOM
+    has no position limit (ALiBi extrapolates); its training length, `seq_length` (2048 if absent), bounds
+    max_model_len."""
+    hidden = int(config.get("hidden_size") or config["n_embed"])
+    num_heads = int(config.get("n_head") or config["num_attention_heads"])
+    if hidden % num_heads:
+        raise ValueError(f"BLOOM: hidden_size {hidden} is not a multiple of n_head {num_heads}")
+    return ArchConfig(
+        architecture="BloomForCausalLM",
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=int(config.get("n_layer") or config["num_hidden_layers"]),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        head_dim=hidden // num_heads,
+        rms_norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        rope_theta=10000.0,  # unused: no RoPE
+        max_position_embeddings=int(config.get("seq_length") or 2048),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        attention_bias=True,
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos_token_ids,
+        alibi=True,
+        residual_post_layernorm=bool(config.get("apply_residual_connection_post_layernorm", False)),
     )
 
 

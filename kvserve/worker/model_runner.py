@@ -209,7 +209,9 @@ class ModelRunner:
         draft = self.proposer.layout_id() if self.proposer is not None else None
         if draft is not None:
             layout += f"|draft={draft}"
-        layers = tuple(AttentionSpec(config.dtype, arch.sliding_window(i)) for i in range(arch.num_hidden_layers))
+        layers = tuple(
+            AttentionSpec(config.dtype, arch.sliding_window(i), arch.alibi) for i in range(arch.num_hidden_layers)
+        )
         block_bytes = self._target_block_bytes() + self._proposer_block_bytes()
         return KVCacheSpec(self.block_size, layers, (block_bytes,), layout)
 

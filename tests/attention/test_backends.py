@@ -15,6 +15,7 @@ from kvserve.attention.cpu_kernels import CpuKernelAttentionBackend, pack_kv_blo
 from kvserve.attention.selector import get_attn_backend
 from kvserve.attention.torch_ref import TorchRefAttentionBackend
 from kvserve.kernels.cpu import load_cpu_kernels
+from kvserve.layers.alibi import alibi_slopes
 from tests.kernels.build import require_kernels
 
 
@@ -31,9 +32,10 @@ def uses_packed_layout(backend, block_size: int) -> bool:
     return isinstance(backend, CpuKernelAttentionBackend) and backend.uses_packed_layout(block_size)
 
 
-def reference_attention(q, k, v, scale, window=None):
+def reference_attention(q, k, v, scale, window=None, slopes=None):
     """q [Q, H, D] for the last Q positions of a sequence whose keys/values are k, v [S, Hkv, D]; with a window,
-    each query sees its last `window` keys (itself included)."""
+    each query sees its last `window` keys (itself included); with ALiBi slopes [H], head h's score of a key gets
+    slope[h] * (key position - query position)."""
     num_q, num_heads, _ = q.shape
     s, num_kv, _ = k.shape
     group = num_heads // num_kv
@@ -44,6 +46,8 @@ def reference_attention(q, k, v, scale, window=None):
     hidden = torch.arange(s)[None, :] > q_pos
     if window is not None:
         hidden |= torch.arange(s)[None, :] <= q_pos - window
+    if slopes is not None:
+        scores = scores + slopes[:, None, None] * (torch.arange(s)[None, :] - q_pos).float()
     scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
 
@@ -72,7 +76,24 @@ def test_sliding_window_matches_reference_and_reads_only_the_window(
     check_mixed_batch(mode, dtype, atol, num_heads, num_kv_heads, head_dim, block_size, monkeypatch, window)
 
 
-def check_mixed_batch(mode, dtype, atol, num_heads, num_kv_heads, head_dim, block_size, monkeypatch, window):
+@pytest.mark.parametrize("mode", ["cpp-kernel", "cpp-kernel+sdpa", "torch"])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+# 6 and 12 heads: HF's rule for head counts that are not a power of two; (12, 3, 64) and (8, 2, 128) the fast
+# path (and with bf16 blocks of 16 the pair-packed kernel), (6, 6, 24) the plain loops.
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(12, 3, 64), (6, 6, 24), (8, 2, 128), (8, 8, 64)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_alibi_matches_reference(mode, dtype, atol, num_heads, num_kv_heads, head_dim, block_size, window, monkeypatch):
+    """ALiBi slopes (HF's) in the decode kernels (standard and pair-packed), SDPA spans and the torch reference;
+    with a window too."""
+    check_mixed_batch(
+        mode, dtype, atol, num_heads, num_kv_heads, head_dim, block_size, monkeypatch, window, alibi_slopes(num_heads)
+    )
+
+
+def check_mixed_batch(
+    mode, dtype, atol, num_heads, num_kv_heads, head_dim, block_size, monkeypatch, window, slopes=None
+):
     use_kernel = mode != "torch"
     if mode == "cpp-kernel+sdpa":
         # With deterministic=False and the standard layout, (0, 13) and (3, 30) exceed 150 query x context pairs and
@@ -130,12 +151,12 @@ def check_mixed_batch(mode, dtype, atol, num_heads, num_kv_heads, head_dim, bloc
     metadata = backend.build_metadata(inputs)
     if use_kernel:  # SDPA spans only where asked, and never with the pair-packed layout
         assert len(metadata.prefills) == (2 if mode == "cpp-kernel+sdpa" and not packed else 0)
-    out = backend.forward(q, k_new, v_new, (key_cache, value_cache), metadata, scale, window)
+    out = backend.forward(q, k_new, v_new, (key_cache, value_cache), metadata, scale, window, slopes)
     assert out.shape == (int(qsl[-1]), num_heads * head_dim)
 
     for i in range(len(seqs)):
         s, e = int(qsl[i]), int(qsl[i + 1])
-        ref = reference_attention(q[s:e], full_k[i], full_v[i], scale, window)
+        ref = reference_attention(q[s:e], full_k[i], full_v[i], scale, window, slopes)
         got = out[s:e].view(e - s, num_heads, head_dim).float()
         torch.testing.assert_close(got, ref, atol=atol, rtol=atol)
     # The new tokens' K/V were written where the slot mapping says.

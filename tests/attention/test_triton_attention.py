@@ -18,6 +18,7 @@ import torch
 
 from kvserve.attention.base import AttentionInputs
 from kvserve.attention.torch_ref import TorchRefAttentionBackend
+from kvserve.layers.alibi import alibi_slopes
 
 pytest.importorskip("triton")
 
@@ -33,9 +34,10 @@ pytestmark = pytest.mark.skipif(
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-def reference_attention(q, k, v, scale, window=None):
+def reference_attention(q, k, v, scale, window=None, slopes=None):
     """q [Q, H, D]: the last Q positions of a sequence whose keys/values are k, v [S, Hkv, D]; fp32 result. With a
-    window, each position sees its last `window` keys, itself included."""
+    window, each position sees its last `window` keys, itself included; with ALiBi slopes [H], head h's score of a
+    key gets slope[h] * (key position - query position)."""
     num_q, num_heads, _ = q.shape
     s, num_kv, _ = k.shape
     group = num_heads // num_kv
@@ -47,6 +49,8 @@ def reference_attention(q, k, v, scale, window=None):
     hidden = k_pos > q_pos
     if window is not None:
         hidden |= k_pos <= q_pos - window
+    if slopes is not None:
+        scores = scores + slopes.float()[:, None, None] * (k_pos - q_pos).float()
     scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
 
@@ -116,12 +120,13 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=
 
 
 def check_against_reference(
-    batch: Batch, out: torch.Tensor, num_heads: int, head_dim: int, dtype, window: int | None = None
+    batch: Batch, out: torch.Tensor, num_heads: int, head_dim: int, dtype, window: int | None = None, slopes=None
 ) -> None:
     qsl = batch.inputs.query_start_loc
     for i in range(len(batch.full_k)):
         s, e = int(qsl[i]), int(qsl[i + 1])
-        want = reference_attention(batch.q[s:e], batch.full_k[i], batch.full_v[i], head_dim**-0.5, window)
+        q, k, v = batch.q[s:e], batch.full_k[i], batch.full_v[i]
+        want = reference_attention(q, k, v, head_dim**-0.5, window, slopes)
         got = out[s:e].view(e - s, num_heads, head_dim).float()
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype], msg=f"request {i}")
 
@@ -216,6 +221,33 @@ def test_sliding_window_matches_reference_and_reads_only_the_window(window, num_
     out = backend.forward(batch.q, batch.k_new, batch.v_new, kv, md, 64**-0.5, window)
     assert torch.isfinite(out).all()
     check_against_reference(batch, out, 8, 64, dtype, window)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 6), (8, 2)])
+def test_alibi_matches_reference_and_the_torch_reference_backend(num_heads, num_kv_heads, window, num_splits):
+    """ALiBi (HF's slopes; 6 heads takes the rule for head counts that are not a power of two) in the prefill and
+    decode kernels, with split-K and decode segments of 32 keys (a bias that grows over many segments), alone and
+    with a window; against plain attention and the torch reference backend given the same slopes."""
+    dtype = torch.float32
+    batch = make_batch(MIXED, num_heads, num_kv_heads, 64, 16, dtype, seed=7)
+    ref_batch = make_batch(MIXED, num_heads, num_kv_heads, 64, 16, dtype, seed=7)
+    slopes = alibi_slopes(num_heads)
+    backend = TritonAttentionBackend(
+        num_heads, num_kv_heads, 64, dtype, DEVICE, tile_n=16, decode_config=DecodeConfig(32, 16)
+    )
+    md = backend.build_metadata(batch.inputs)
+    md.num_splits = num_splits
+    kv = (batch.key_cache, batch.value_cache)
+    out = backend.forward(batch.q, batch.k_new, batch.v_new, kv, md, 64**-0.5, window, slopes.to(DEVICE))
+    check_against_reference(batch, out, num_heads, 64, dtype, window, slopes.to(DEVICE))
+    ref = TorchRefAttentionBackend(num_heads, num_kv_heads, 64, dtype)
+    b = ref_batch
+    cpu = (b.key_cache.cpu(), b.value_cache.cpu())
+    md_ref = ref.build_metadata(b.inputs)
+    want = ref.forward(b.q.cpu(), b.k_new.cpu(), b.v_new.cpu(), cpu, md_ref, 64**-0.5, window, slopes)
+    torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("num_splits", [2, 4, 16])

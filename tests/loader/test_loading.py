@@ -1,5 +1,6 @@
-"""Loading: config parsing (both rope formats), GGUF name mapping and RoPE un-permutation, GGUF files written
-from HF models (llama, qwen2, qwen3), sharded safetensors, argument validation, the embedded default."""
+"""Loading: config parsing (both rope formats, BLOOM's config names), GGUF name mapping and RoPE un-permutation,
+GGUF files written from HF models (llama, qwen2, qwen3), sharded safetensors, argument validation, the embedded
+default."""
 
 from __future__ import annotations
 
@@ -89,6 +90,19 @@ def test_eos_ids_merge_generation_config_and_arch_flags():
 )
 def test_layer_windows_follow_hf(config, windows):
     assert layer_windows({"num_hidden_layers": 3, **config}) == windows
+
+
+def test_bloom_configs_old_and_new_names():
+    """bigscience/bloom-560m's config.json (n_embed, n_layer, n_head, no seq_length) and transformers 5's names
+    give the same ArchConfig: ALiBi, every head its own KV head, a 4x MLP, tied by default."""
+    common = dict(architectures=["BloomForCausalLM"], model_type="bloom", vocab_size=100, layer_norm_epsilon=1e-5)
+    old = arch_config_from_hf({**common, "n_embed": 64, "n_layer": 2, "num_attention_heads": 8})
+    new = arch_config_from_hf({**common, "hidden_size": 64, "n_layer": 2, "n_head": 8, "seq_length": 2048})
+    assert old == new
+    assert new.alibi and new.num_key_value_heads == 8 and new.head_dim == 8 and new.intermediate_size == 256
+    assert new.tie_word_embeddings and new.attention_bias and not new.residual_post_layernorm
+    assert new.max_position_embeddings == 2048 and new.rms_norm_eps == 1e-5
+    assert not arch_config_from_hf(BASE).alibi
 
 
 def test_unknown_layer_type_refused():

@@ -71,6 +71,29 @@ inline void mask_before_window(float* scores, int nq, int64_t stride, int64_t sk
     std::fill(scores + j * stride, scores + j * stride + skip, -std::numeric_limits<float>::infinity());
 }
 
+// ALiBi slopes as the kernels take them: none, or one fp32 slope per query head ([H] contiguous). Returns the
+// first slope, or nullptr for none.
+inline const float* alibi_slopes_ptr(const c10::optional<at::Tensor>& slopes, int64_t num_heads) {
+  if (!slopes.has_value() || !slopes->defined()) return nullptr;
+  TORCH_CHECK(slopes->scalar_type() == at::kFloat && slopes->is_contiguous() && slopes->dim() == 1 &&
+                  slopes->size(0) == num_heads,
+              "alibi_slopes: fp32 [num_heads] contiguous");
+  return slopes->data_ptr<float>();
+}
+
+// ALiBi: adds slope_j * (key position - query position) to the scores of the n keys of a block, for nq query heads
+// whose rows are `stride` apart; `rel0` is the block's first key position minus the query's. HF's BLOOM adds
+// slope * key position instead, which differs by a constant along each row: the same softmax. Called once per
+// block, outside the loops over tokens and dims; a no-op without slopes (nullptr).
+inline void add_alibi(float* scores, int nq, int64_t stride, int n, const float* slopes, int64_t rel0) {
+  if (slopes == nullptr) return;
+  for (int j = 0; j < nq; ++j) {
+    float* row = scores + j * stride;
+    const float slope = slopes[j];
+    for (int t = 0; t < n; ++t) row[t] += slope * static_cast<float>(rel0 + t);
+  }
+}
+
 // Online softmax: moves the running max m to new_max and returns the factor by which sums and accumulators taken
 // under the old max must be scaled (0 on the first update, when m is -inf).
 inline float move_max(float& m, float new_max) {

@@ -5,7 +5,8 @@
 #include "vec.h"
 
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                                  at::Tensor seq_lens, double scale, int64_t window);
+                                  at::Tensor seq_lens, double scale, int64_t window,
+                                  c10::optional<at::Tensor> alibi_slopes);
 at::Tensor sample_gumbel(at::Tensor logits, at::Tensor keys);
 std::tuple<at::Tensor, at::Tensor> topk_rows(at::Tensor x, int64_t k);
 void rms_norm_(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
@@ -21,7 +22,8 @@ bool linear_bf16_pairs_supported();
 at::Tensor pack_linear_weight_bf16_pairs(at::Tensor w);
 at::Tensor linear_bf16_pairs(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                                  at::Tensor seq_lens, double scale, int64_t window);
+                                  at::Tensor seq_lens, double scale, int64_t window,
+                                  c10::optional<at::Tensor> alibi_slopes);
 std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(at::Tensor x, c10::optional<at::Tensor> signs);
 int64_t int8_panel_width();
 std::tuple<at::Tensor, at::Tensor> pack_int8_weight(at::Tensor codes);
@@ -42,7 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_isa", [] { return std::string(kvserve::kVecIsa); }, "the vector helpers this library was built with");
   m.def("paged_attention_decode", &paged_attention_decode, "paged attention for single-token queries (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("window") = 0);
+        py::arg("scale"), py::arg("window") = 0, py::arg("alibi_slopes") = py::none());
   m.def("rms_norm_", &rms_norm_, "in-place (residual add +) RMSNorm");
   m.def("rotary_", &rotary_, "in-place rotate-half RoPE on the first heads of each row");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
@@ -51,7 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_kv_supported", &packed_kv_supported, "whether the packed bf16 decode kernel runs these shapes here");
   m.def("paged_attention_packed", &paged_attention_packed, "paged attention over the pair-packed bf16 cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("window") = 0);
+        py::arg("scale"), py::arg("window") = 0, py::arg("alibi_slopes") = py::none());
   m.def("linear_panel_width", &linear_panel_width, "weight rows per panel of pack_linear_weight's layout");
   m.def("pack_linear_weight", &pack_linear_weight, "w [N, K] -> kvserve's panel layout [P, K, panel width]");
   m.def("linear_packed", &linear_packed, "x @ w.T (+ bias) with w in the panel layout", py::arg("x"), py::arg("wp"),

@@ -21,9 +21,11 @@ at::Tensor linear_bf16_pairs(at::Tensor x, at::Tensor wp, int64_t n, c10::option
 at::Tensor int8_linear(at::Tensor x, at::Tensor panels, at::Tensor scale, at::Tensor colsum, int64_t n,
                        c10::optional<at::Tensor> signs, c10::optional<at::Tensor> bias, at::ScalarType out_dtype);
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                                  at::Tensor seq_lens, double scale, int64_t window);
+                                  at::Tensor seq_lens, double scale, int64_t window,
+                                  c10::optional<at::Tensor> alibi_slopes);
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                                  at::Tensor seq_lens, double scale, int64_t window);
+                                  at::Tensor seq_lens, double scale, int64_t window,
+                                  c10::optional<at::Tensor> alibi_slopes);
 
 namespace {
 
@@ -74,8 +76,10 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::option
   write_kv(qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size), k_cache, v_cache, slot_mapping,
            packed);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim}).contiguous();
-  at::Tensor attn = packed ? paged_attention_packed(q, k_cache, v_cache, block_table, seq_lens, scale, window)
-                           : paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window);
+  // NOTE: no ALiBi here: the Llama layer has RoPE (an ALiBi model runs its own layers, kvserve/models/bloom.py).
+  at::Tensor attn =
+      packed ? paged_attention_packed(q, k_cache, v_cache, block_table, seq_lens, scale, window, c10::nullopt)
+             : paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window, c10::nullopt);
   at::Tensor h = apply_linear(attn.view({t, q_size}), linears[1], o_n, c10::nullopt);
   rms_norm_(h, res, norms[1], eps);  // h = norm(h + res), res = h + res
   at::Tensor out = apply_linear(silu_and_mul(apply_linear(h, linears[2], gate_up_n, c10::nullopt)), linears[3],

@@ -51,7 +51,7 @@ inline void prefetch_part(const void* p, int64_t bytes, int i, int parts) {
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
                    const int64_t* seq_lens, T* out, const PagedShape& p, float scale, int64_t hpt,
-                   int64_t window) {
+                   int64_t window, const float* alibi) {
   const int group = static_cast<int>(p.group());
   const int hd = static_cast<int>(p.head_dim);
   const int64_t block_size = p.block_size, token_stride = p.num_kv_heads * p.head_dim;
@@ -86,6 +86,8 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
           for (int j = 0; j < nq; ++j) scores[j * block_size + t] = dot(&qf[j * hd], k + (j / group) * hd, hd);
         }
         mask_before_window(scores.data(), nq, block_size, lo - start);
+        add_alibi(scores.data(), nq, block_size, n, alibi == nullptr ? nullptr : alibi + q0 % p.num_heads,
+                  start - (len - 1));
         for (int j = 0; j < nq; ++j) {
           float* sc = &scores[j * block_size];
           const float r = move_max(m[j], std::max(m[j], max_of(sc, n)));
@@ -137,7 +139,7 @@ struct FastDecode {
   }
 
   static void run(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table, const int64_t* seq_lens,
-                  T* out, const PagedShape& p, float scale, int64_t hpt, int64_t window) {
+                  T* out, const PagedShape& p, float scale, int64_t hpt, int64_t window, const float* alibi) {
     const int64_t block_size = p.block_size, token_stride = p.num_kv_heads * HD;
     const int nq = static_cast<int>(hpt) * G;
     parallel_over_tasks(p, hpt, [&] {
@@ -190,6 +192,8 @@ struct FastDecode {
             }
           }
           mask_before_window(scores.data(), nq, block_size, lo - start);
+          add_alibi(scores.data(), nq, block_size, n, alibi == nullptr ? nullptr : alibi + q0 % p.num_heads,
+                    start - (len - 1));
           for (int j = 0; j < nq; ++j) {
             float* sc = &scores[j * block_size];
             const float r = move_max(m[j], std::max(m[j], max_of(sc, n)));
@@ -248,11 +252,13 @@ struct FastDecode {
 }  // namespace
 
 // q [S, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table [S, max_blocks] int32;
-// seq_lens [S] int64 (each >= 1); window: each row sees only its last `window` keys (0: all of them). Returns
-// [S, H, D] in q's dtype.
+// seq_lens [S] int64 (each >= 1); window: each row sees only its last `window` keys (0: all of them);
+// alibi_slopes: none, or [H] fp32 ALiBi slopes (add_alibi). Returns [S, H, D] in q's dtype.
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                                  at::Tensor seq_lens, double scale, int64_t window) {
+                                  at::Tensor seq_lens, double scale, int64_t window,
+                                  c10::optional<at::Tensor> alibi_slopes) {
   const PagedShape p = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens);
+  const float* alibi = alibi_slopes_ptr(alibi_slopes, p.num_heads);
   TORCH_CHECK(p.head_dim <= kMaxHeadDim && p.group() <= kMaxGroup && p.block_size <= kMaxBlockSize,
               "head_dim, GQA group or block size too large for the CPU decode kernel");
   auto out = at::empty_like(q);
@@ -267,9 +273,10 @@ at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v
     const int64_t* lens = seq_lens.data_ptr<int64_t>();
     T* o = out.data_ptr<T>();
     const bool fast = with_head_shape(p.head_dim, p.group(), [&](auto hd, auto g) {
-      FastDecode<decltype(hd)::value, decltype(g)::value, T>::run(qp, kc, vc, table, lens, o, p, sc, hpt, window);
+      FastDecode<decltype(hd)::value, decltype(g)::value, T>::run(qp, kc, vc, table, lens, o, p, sc, hpt, window,
+                                                             alibi);
     });
-    if (!fast) decode_kernel<T>(qp, kc, vc, table, lens, o, p, sc, hpt, window);
+    if (!fast) decode_kernel<T>(qp, kc, vc, table, lens, o, p, sc, hpt, window, alibi);
   });
   return out;
 }

@@ -27,10 +27,12 @@ using namespace kvserve;
 
 inline __m512bh pair_bcast(const uint32_t* p) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(*p)); }
 
-template <int HD, int G>
+// ALIBI: add each query head's slope times (key position - query position) to its scores (add_alibi in
+// attention_common.h); a template flag, so the models without ALiBi run the sub-tile loop unchanged.
+template <int HD, int G, bool ALIBI>
 void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* block_table,
                    const int64_t* seq_lens, at::BFloat16* out, const PagedShape& shape, float scale, int64_t hpt,
-                   int64_t window) {
+                   int64_t window, const float* alibi) {
   static_assert(kW == 16, "the packed layout's 16-token tiles are one AVX-512 vector");
   constexpr int NV = HD / 16;  // zmm per fp32 head row
   constexpr int NP = HD / 2;   // dim pairs per head
@@ -40,6 +42,7 @@ void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
   const int nq = static_cast<int>(hpt) * G;
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 lane_index = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   parallel_over_tasks(shape, hpt, [&] {
     return [&, acc = std::vector<float>(nq * HD), m = std::vector<float>(nq),
             lsum = std::vector<float>(nq * 16)](int64_t s, int64_t h0) mutable {
@@ -95,7 +98,12 @@ void packed_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
             for (int g = 0; g < G; ++g) {
               const int j = static_cast<int>(hh) * G + g;
               // Lanes past the context get -inf, hence probability 0 (their cache slots hold stale finite values).
-              const __m512 sc = _mm512_mask_mul_ps(neg_inf, valid, _mm512_add_ps(s0[g], s1[g]), vscale);
+              __m512 sc = _mm512_mask_mul_ps(neg_inf, valid, _mm512_add_ps(s0[g], s1[g]), vscale);
+              if constexpr (ALIBI) {  // -inf lanes stay -inf
+                const float rel0 = static_cast<float>(start + t0 - (len - 1));
+                const __m512 rel = _mm512_add_ps(lane_index, _mm512_set1_ps(rel0));
+                sc = _mm512_fmadd_ps(_mm512_set1_ps(alibi[(q0 + j) % shape.num_heads]), rel, sc);
+              }
               __m512 l = _mm512_loadu_ps(&lsum[j * 16]);
               // The running max rarely moves after the first tiles: test every lane before reducing any.
               if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(m[j]), _CMP_GT_OQ)) {
@@ -150,22 +158,25 @@ bool packed_kv_supported(int64_t head_dim, int64_t group, int64_t block_size) {
 
 // q [S, H, D] bf16; k_cache, v_cache [num_blocks, block_size, Hkv, D] bf16 holding the packed layout;
 // block_table [S, max_blocks] int32; seq_lens [S] int64 (each >= 1); window: each row sees only its last `window`
-// keys (0: all of them). Returns [S, H, D] bf16.
+// keys (0: all of them); alibi_slopes: none, or [H] fp32 ALiBi slopes. Returns [S, H, D] bf16.
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                                  at::Tensor seq_lens, double scale, int64_t window) {
+                                  at::Tensor seq_lens, double scale, int64_t window,
+                                  c10::optional<at::Tensor> alibi_slopes) {
   const PagedShape p = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens);
+  const float* alibi = alibi_slopes_ptr(alibi_slopes, p.num_heads);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16, "packed cache: bf16 only");
   TORCH_CHECK(packed_kv_supported(p.head_dim, p.group(), p.block_size),
               "no packed decode kernel for this shape on this CPU");
   auto out = at::empty_like(q);
 #if defined(__AVX512BF16__)
   with_head_shape(p.head_dim, p.group(), [&](auto hd, auto g) {
-    packed_decode<decltype(hd)::value, decltype(g)::value>(
-        reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+    constexpr int HD = decltype(hd)::value, G = decltype(g)::value;
+    auto* run = alibi != nullptr ? &packed_decode<HD, G, true> : &packed_decode<HD, G, false>;
+    run(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
         reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
         reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), block_table.data_ptr<int32_t>(),
-        seq_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), p, static_cast<float>(scale),
-        heads_per_task(p), window);
+        seq_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), p, static_cast<float>(scale), heads_per_task(p),
+        window, alibi);
   });
 #endif
   return out;
