@@ -44,8 +44,8 @@ def sdpa_prefill_spans(
     out: torch.Tensor,  # [T, H, hd], rows of the spans filled here
     sliding_window: int | None = None,
 ) -> None:
-    """Each prefill chunk through SDPA, over its own fresh K/V or, after cached context, the gathered blocks (of
-    the standard layout): with a sliding window, only the blocks from the one holding the first query's first key
+    """Each prefill chunk through SDPA, over its own fresh K/V (as the cache holds them: for an fp8 cache, the
+    caller passes them rounded) or, after cached context, the gathered blocks (of the standard layout): with a sliding window, only the blocks from the one holding the first query's first key
     on."""
     key_cache, value_cache = kv_cache
     hkv, hd = k.shape[1], k.shape[2]
@@ -62,8 +62,9 @@ def sdpa_prefill_spans(
             first_key = max(0, first_query - sliding_window + 1) // span.block_size * span.block_size
             mask = window_mask(span.query_len, span.seq_len, first_key, sliding_window)
         block_ids = span.block_ids[first_key // span.block_size :]
-        keys = key_cache.index_select(0, block_ids).reshape(-1, hkv, hd)[: span.seq_len - first_key]
-        values = value_cache.index_select(0, block_ids).reshape(-1, hkv, hd)[: span.seq_len - first_key]
+        # .to: an fp8 cache widens (exactly) to q's dtype; a no-op otherwise.
+        keys = key_cache.index_select(0, block_ids).reshape(-1, hkv, hd)[: span.seq_len - first_key].to(q.dtype)
+        values = value_cache.index_select(0, block_ids).reshape(-1, hkv, hd)[: span.seq_len - first_key].to(q.dtype)
         out[s:e] = sdpa(q[s:e], keys, values, mask, scale)
 
 

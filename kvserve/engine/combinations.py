@@ -106,6 +106,17 @@ RULES: tuple[Rule, ...] = (
         lambda c: _window(c) and c.scheduler.preemption_mode == "swap",
         "swap copies whole block tables, whose blocks behind the window are released (use recompute)",
     ),
+    Rule(
+        "kv_cache_dtype fp8 with draft-model or EAGLE speculation",
+        lambda c: c.cache.cache_dtype != "auto" and _model_proposer(c),
+        "the draft's own KV pool is allocated in the model's dtype and is not sized or converted for fp8 yet "
+        "(n-gram speculation works)",
+    ),
+    Rule(
+        "kv_cache_dtype fp8 with dtype float16",
+        lambda c: c.cache.cache_dtype != "auto" and c.model.dtype == "float16",
+        "the fp8 KV paths are built and tested for bfloat16 and float32 models",
+    ),
     # deterministic=None means "where it holds" and is never refused; only an explicit True is.
     Rule(
         "deterministic with attention_backend torch",

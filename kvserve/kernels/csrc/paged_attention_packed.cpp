@@ -154,7 +154,7 @@ bool packed_kv_supported(int64_t head_dim, int64_t group, int64_t block_size) {
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window) {
   const PagedShape p = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens);
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "packed cache: bf16 only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16, "packed cache: bf16 only");
   TORCH_CHECK(packed_kv_supported(p.head_dim, p.group(), p.block_size),
               "no packed decode kernel for this shape on this CPU");
   auto out = at::empty_like(q);
