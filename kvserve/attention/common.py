@@ -45,8 +45,8 @@ def sdpa_prefill_spans(
     sliding_window: int | None = None,
 ) -> None:
     """Each prefill chunk through SDPA, over its own fresh K/V (as the cache holds them: for an fp8 cache, the
-    caller passes them rounded) or, after cached context, the gathered blocks (of the standard layout): with a sliding window, only the blocks from the one holding the first query's first key
-    on."""
+    caller passes them rounded) or, after cached context, the gathered blocks (of the standard layout): with a
+    sliding window, only the blocks from the one holding the first query's first key on."""
     key_cache, value_cache = kv_cache
     hkv, hd = k.shape[1], k.shape[2]
     for span in spans:
