@@ -145,6 +145,8 @@ def _decode_segments_kernel(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
+            k = k.to(q.dtype)  # an fp8 cache widens to q's dtype; a no-op otherwise
+            v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, TILE_N]
             s = tl.where(key_valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile from the window's first holds a valid key

@@ -31,6 +31,9 @@ LOG2E = 1.4426950408889634
 
 # Integer arguments that vary from step to step are not specialized (Triton would compile a variant for 1, for
 # multiples of 16 and for the rest: a compile stall in the middle of serving the first time each one shows up).
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
     k_ptr,
@@ -52,6 +55,7 @@ def _write_kv_kernel(
     TOKENS: tl.constexpr,  # tokens per program
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # an fp8 cache's largest finite value (values saturate to it); 0: not fp8
 ):
     # One row per token, its heads' dims side by side: column c is head c // DIM_PAD, dim c % DIM_PAD.
     tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
@@ -65,8 +69,19 @@ def _write_kv_kernel(
     dst = ((slots // BLOCK_SIZE) * stride_cb + (slots % BLOCK_SIZE) * stride_cs)[:, None] + (heads * stride_ch + dims)[
         None, :
     ]
+    if FP8_MAX > 0:
+        k = _to_fp8(k, FP8_MAX, key_cache_ptr.dtype.element_ty)
+        v = _to_fp8(v, FP8_MAX, value_cache_ptr.dtype.element_ty)
     tl.store(key_cache_ptr + dst, k, mask=mask)
     tl.store(value_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _to_fp8(x, limit: tl.constexpr, dtype: tl.constexpr):
+    """x as an fp8 cache stores it (attention/kv_dtype.py's quantize_kv): NaN -> 0, saturated, nearest even."""
+    x = x.to(tl.float32)
+    x = tl.where(x != x, 0.0, x)
+    return tl.minimum(tl.maximum(x, -limit), limit).to(dtype, fp_downcast_rounding="rtne")
 
 
 @triton.jit(do_not_specialize=["stride_bt", "window"])
@@ -159,6 +174,7 @@ def _paged_attention_kernel(
         )  # [DIM_PAD, TILE_N]
         if UPCAST:
             k = k.to(tl.float32)
+        k = k.to(q.dtype)  # an fp8 cache widens to q's dtype; a no-op otherwise
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
         visible = key_valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= row_lo[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -175,6 +191,7 @@ def _paged_attention_kernel(
         )  # [TILE_N, DIM_PAD]
         if UPCAST:
             v = v.to(tl.float32)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -260,6 +277,7 @@ def write_kv(
         TOKENS=tokens,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        FP8_MAX=torch.finfo(key_cache.dtype).max if key_cache.dtype in _FP8 else 0.0,
     )
 
 

@@ -113,6 +113,12 @@ RULES: tuple[Rule, ...] = (
         "(n-gram speculation works)",
     ),
     Rule(
+        "kv_cache_dtype fp8 on the GPU",
+        lambda c: c.cache.cache_dtype != "auto" and _gpu(c),
+        "not supported on the GPU yet: the Triton kernels' fp8 paths are checked in Triton's interpreter on the "
+        "CPU but have not run compiled on a GPU",
+    ),
+    Rule(
         "kv_cache_dtype fp8 with dtype float16",
         lambda c: c.cache.cache_dtype != "auto" and c.model.dtype == "float16",
         "the fp8 KV paths are built and tested for bfloat16 and float32 models",
