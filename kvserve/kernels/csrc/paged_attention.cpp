@@ -117,7 +117,7 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
 //   the block's V rows from L1 for each column.
 //
 // C: the cache's element type, T's or an fp8. An fp8 block's K rows of one kv head are widened to fp32 once
-// (widen_k_rows), not once per query head of the group, and the q.k loop reads them there; V rows are widened as
+// (k_rows), not once per query head of the group, and the q.k loop reads them there; V rows are widened as
 // the p.v loop loads them, once per element already.
 template <int HD, int G, typename T, typename C = T>
 struct FastDecode {
