@@ -84,6 +84,9 @@ class CacheConfig:
     block_size: int = 16
     # Bytes for K and V of all layers; None means a default derived from available memory.
     kv_cache_memory: int | None = None
+    # What a K/V element is stored as (vLLM's cache_dtype, resolved): "auto" (the model's dtype), "fp8_e4m3" or
+    # "fp8_e5m2" (one byte; kvserve/attention/kv_dtype.py). Fixed for the pool's whole life.
+    cache_dtype: str = "auto"
     # Exact number of blocks (overrides kv_cache_memory), like vLLM's num_gpu_blocks_override.
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True

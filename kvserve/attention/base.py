@@ -34,10 +34,13 @@ class AttentionInputs:
 
 
 class AttentionBackend(ABC):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: torch.dtype) -> None:
+        """`kv_cache_dtype`: what the cache tensors hold (the model's dtype, or fp8: attention/kv_dtype.py); the
+        pool is allocated in it, and every write converts to it."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.kv_cache_dtype = kv_cache_dtype
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:

@@ -45,9 +45,10 @@ def sdpa_prefill_spans(
     sliding_window: int | None = None,
     alibi_slopes: torch.Tensor | None = None,  # [H] fp32
 ) -> None:
-    """Each prefill chunk through SDPA, over its own fresh K/V or, after cached context, the gathered blocks (of
-    the standard layout): with a sliding window, only the blocks from the one holding the first query's first key
-    on; with ALiBi slopes, each head's position biases in the mask."""
+    """Each prefill chunk through SDPA, over its own fresh K/V (as the cache holds them: for an fp8 cache, the
+    caller passes them rounded) or, after cached context, the gathered blocks (of the standard layout): with a
+    sliding window, only the blocks from the one holding the first query's first key on; with ALiBi slopes, each
+    head's position biases in the mask."""
     key_cache, value_cache = kv_cache
     hkv, hd = k.shape[1], k.shape[2]
     for span in spans:
@@ -66,8 +67,9 @@ def sdpa_prefill_spans(
         if sliding_window is not None or alibi_slopes is not None:
             mask = context_mask(span.query_len, span.seq_len, first_key, sliding_window, alibi_slopes, q.dtype)
         block_ids = span.block_ids[first_key // span.block_size :]
-        keys = key_cache.index_select(0, block_ids).reshape(-1, hkv, hd)[: span.seq_len - first_key]
-        values = value_cache.index_select(0, block_ids).reshape(-1, hkv, hd)[: span.seq_len - first_key]
+        # .to: an fp8 cache widens (exactly) to q's dtype; a no-op otherwise.
+        keys = key_cache.index_select(0, block_ids).reshape(-1, hkv, hd)[: span.seq_len - first_key].to(q.dtype)
+        values = value_cache.index_select(0, block_ids).reshape(-1, hkv, hd)[: span.seq_len - first_key].to(q.dtype)
         out[s:e] = sdpa(q[s:e], keys, values, mask, scale)
 
 

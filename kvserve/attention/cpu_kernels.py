@@ -26,6 +26,7 @@ import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
 from kvserve.attention.common import PrefillSpan, prefill_span, sdpa_prefill_spans
+from kvserve.attention.kv_dtype import is_fp8, quantize_kv
 from kvserve.kernels.cpu import kernel_isa, load_cpu_kernels
 from kvserve.utils import cdiv
 
@@ -76,10 +77,12 @@ class CpuKernelAttentionBackend(AttentionBackend):
         dtype: torch.dtype,
         kernels: ModuleType | None = None,
         deterministic: bool = True,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """`deterministic=False` lets big chunks go to SDPA where it is faster (the standard layout; see the module
-        docstring); a query's output then depends on its chunk."""
-        super().__init__(num_heads, num_kv_heads, head_dim)
+        docstring); a query's output then depends on its chunk. `kv_cache_dtype`: the model's dtype (None) or fp8,
+        which the kernels convert to on write and widen from on read (standard layout)."""
+        super().__init__(num_heads, num_kv_heads, head_dim, kv_cache_dtype or dtype)
         self.dtype = dtype
         self.group = num_heads // num_kv_heads
         kernels = kernels if kernels is not None else load_cpu_kernels()
@@ -94,6 +97,8 @@ class CpuKernelAttentionBackend(AttentionBackend):
 
     def uses_packed_layout(self, block_size: int) -> bool:
         """Whether caches of this block size hold the pair-packed layout (fixed for a cache's whole life)."""
+        if self.kv_cache_dtype != self.dtype:  # an fp8 cache: the standard layout
+            return False
         return self.dtype == torch.bfloat16 and self.kernels.packed_kv_supported(self.head_dim, self.group, block_size)
 
     def kv_layout(self, block_size: int) -> str:
@@ -102,6 +107,8 @@ class CpuKernelAttentionBackend(AttentionBackend):
     def describe(self, block_size: int) -> str:
         """Which kernels run attention (and the elementwise ops and sampling, which share the build)."""
         layout = ", pair-packed bf16 KV" if self.uses_packed_layout(block_size) else ""
+        if is_fp8(self.kv_cache_dtype):
+            layout = f", {str(self.kv_cache_dtype).removeprefix('torch.')} KV"
         sdpa = "" if self.batch_invariant(block_size) else ", big chunks via SDPA"
         return f"C++ {kernel_isa()}{layout}{sdpa}"
 
@@ -205,5 +212,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
                 alibi_slopes,
             )
         assert not metadata.packed, "the pair-packed layout never sends chunks to SDPA"
+        if is_fp8(key_cache.dtype):  # a chunk's fresh K/V as the cache holds them, as the kernel reads them
+            k, v = quantize_kv(k, key_cache.dtype).to(q.dtype), quantize_kv(v, key_cache.dtype).to(q.dtype)
         sdpa_prefill_spans(q, k, v, kv_cache, metadata.prefills, scale, out, sliding_window, alibi_slopes)
         return out.view(num_tokens, -1)

@@ -28,7 +28,9 @@ def get_attn_backend(
     device: torch.device | str = "cpu",
     name: str = "auto",
     deterministic: bool | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
+    """`kv_cache_dtype`: what the KV cache holds, the model's `dtype` (None) or fp8 (attention/kv_dtype.py)."""
     device = torch.device(device)
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -38,17 +40,23 @@ def get_attn_backend(
         # Imported here: Triton is needed only on this path.
         from kvserve.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, device)
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, device, kv_cache_dtype=kv_cache_dtype)
     if device.type != "cpu":
         raise ValueError(f"attention_backend {name} runs on the CPU only, not on {device}")
     if name == "torch":
         if deterministic:
             raise ValueError("deterministic inference: the torch reference attention is not batch-invariant")
-        return TorchRefAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
+        return TorchRefAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, kv_cache_dtype)
     kernels = load_cpu_kernels()
     if kernels is not None:
         return CpuKernelAttentionBackend(
-            num_heads, num_kv_heads, head_dim, dtype, kernels, deterministic=bool(deterministic)
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            kernels,
+            deterministic=bool(deterministic),
+            kv_cache_dtype=kv_cache_dtype,
         )
     if name == "cpu":
         raise ValueError("attention_backend cpu: the C++ CPU kernels did not build (see the log); use auto or torch")
@@ -57,4 +65,4 @@ def get_attn_backend(
             "deterministic inference needs the C++ CPU kernels, which did not build here (see the log), or are "
             "turned off by KVSERVE_CPU_KERNELS=0"
         )
-    return TorchRefAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
+    return TorchRefAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, kv_cache_dtype)

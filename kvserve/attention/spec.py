@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    kv_dtype: str  # what a K/V element is stored as: "float32" | "bfloat16" | "float16"
+    # What a K/V element is stored as (torch's name): "float32" | "bfloat16" | "float16" | "float8_e4m3fn" |
+    # "float8_e5m2".
+    kv_dtype: str
     # Keys a query may see, itself included (HF's `sliding_window`); None: the whole context.
     sliding_window: int | None = None
     # ALiBi position biases (kvserve/layers/alibi.py): the layer passes its heads' slopes to the backend. The cached

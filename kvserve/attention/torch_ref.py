@@ -14,6 +14,7 @@ import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
 from kvserve.attention.common import PrefillSpan, prefill_span, sdpa_prefill_spans
+from kvserve.attention.kv_dtype import is_fp8, quantize_kv
 from kvserve.utils import cdiv
 
 
@@ -27,8 +28,15 @@ class TorchRefMetadata:
 
 
 class TorchRefAttentionBackend(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, kv_cache_dtype or dtype)
         self.dtype = dtype
         self.group = num_heads // num_kv_heads
 
@@ -71,10 +79,16 @@ class TorchRefAttentionBackend(AttentionBackend):
         # Every write before any read (see AttentionBackend.forward). Decodes read whole padded blocks, and a
         # masked weight of 0 times a stale NaN is still NaN; so the cache never takes a non-finite value, and one
         # broken request cannot poison the requests that reuse its blocks later.
-        k = torch.nan_to_num(k)
-        v = torch.nan_to_num(v)
-        key_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, k)
-        value_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, v)
+        # An fp8 cache stores the rounded values (kv_dtype.quantize_kv) and is read back widened to q's dtype.
+        k = quantize_kv(k, key_cache.dtype)
+        v = quantize_kv(v, value_cache.dtype)
+        if is_fp8(key_cache.dtype):  # torch has no index_copy_ for fp8: copy the bytes
+            key_cache.view(torch.uint8).view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, k.view(torch.uint8))
+            value_cache.view(torch.uint8).view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, v.view(torch.uint8))
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        else:
+            key_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, k)
+            value_cache.view(-1, hkv, hd).index_copy_(0, metadata.slot_mapping, v)
 
         d = metadata.num_decodes
         w, slopes = sliding_window, alibi_slopes
@@ -117,8 +131,8 @@ class TorchRefAttentionBackend(AttentionBackend):
         ctx_len = table.shape[1] * block_size
         flat = table.reshape(-1)
         # [D, L, Hkv, hd] -> [D, Hkv, L, hd]
-        keys = key_cache.index_select(0, flat).view(d, ctx_len, hkv, hd).transpose(1, 2)
-        values = value_cache.index_select(0, flat).view(d, ctx_len, hkv, hd).transpose(1, 2)
+        keys = key_cache.index_select(0, flat).view(d, ctx_len, hkv, hd).transpose(1, 2).to(q.dtype)
+        values = value_cache.index_select(0, flat).view(d, ctx_len, hkv, hd).transpose(1, 2).to(q.dtype)
         qg = q.view(d, hkv, self.group, hd)
         scores = torch.matmul(qg, keys.transpose(2, 3)) * scale  # [D, Hkv, G, L]
         positions = first_key[:, None] + torch.arange(ctx_len)[None, :]  # [D, L]

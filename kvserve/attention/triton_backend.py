@@ -90,8 +90,9 @@ class TritonAttentionBackend(AttentionBackend):
         tile_n: int = DEFAULT_TILE_N,
         target_programs: int | None = None,
         decode_config: DecodeConfig | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim)
+        super().__init__(num_heads, num_kv_heads, head_dim, kv_cache_dtype or dtype)
         self.dtype = dtype
         self.device = torch.device(device)
         self.group = num_heads // num_kv_heads

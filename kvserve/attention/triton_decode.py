@@ -151,6 +151,8 @@ def _decode_segments_kernel(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
+            k = k.to(q.dtype)  # an fp8 cache widens to q's dtype; a no-op otherwise
+            v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, TILE_N]
             if ALIBI:  # the query sits at position seq_len - 1
                 s += slope_log2[:, None] * (pos - seq_len + 1).to(tl.float32)[None, :]

@@ -31,6 +31,9 @@ LOG2E = 1.4426950408889634
 
 # Integer arguments that vary from step to step are not specialized (Triton would compile a variant for 1, for
 # multiples of 16 and for the rest: a compile stall in the middle of serving the first time each one shows up).
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
     k_ptr,
@@ -52,6 +55,10 @@ def _write_kv_kernel(
     TOKENS: tl.constexpr,  # tokens per program
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # an fp8 cache's largest finite value (values saturate to it); 0: not fp8
+    FP8_TINY: tl.constexpr,  # its smallest normal value
+    FP8_SUB: tl.constexpr,  # the step of its subnormals
+    FP8_DROP: tl.constexpr,  # fp32 mantissa bits it lacks (23 - its own)
 ):
     # One row per token, its heads' dims side by side: column c is head c // DIM_PAD, dim c % DIM_PAD.
     tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
@@ -65,8 +72,33 @@ def _write_kv_kernel(
     dst = ((slots // BLOCK_SIZE) * stride_cb + (slots % BLOCK_SIZE) * stride_cs)[:, None] + (heads * stride_ch + dims)[
         None, :
     ]
+    if FP8_MAX > 0:
+        k = _to_fp8(k, FP8_MAX, FP8_TINY, FP8_SUB, FP8_DROP, key_cache_ptr.dtype.element_ty)
+        v = _to_fp8(v, FP8_MAX, FP8_TINY, FP8_SUB, FP8_DROP, value_cache_ptr.dtype.element_ty)
     tl.store(key_cache_ptr + dst, k, mask=mask)
     tl.store(value_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _to_fp8(x, limit: tl.constexpr, tiny: tl.constexpr, sub: tl.constexpr, drop: tl.constexpr, dtype: tl.constexpr):
+    """x as an fp8 cache stores it (attention/kv_dtype.py's quantize_kv): NaN -> 0, saturated, nearest even.
+
+    NOTE: the value is rounded to the fp8 grid here, in fp32, so that the final cast is exact: Triton's interpreter
+    rounds some values wrongly (a mantissa that carries into the exponent, values between subnormals). Normals:
+    round to nearest even on the bits, dropping the `drop` low mantissa bits (the carry propagates by the integer
+    add); below the smallest normal: the subnormal grid of step `sub`, by adding and removing 1.5 * 2^23 steps."""
+    x = x.to(tl.float32)
+    x = tl.where(x != x, 0.0, x)
+    x = tl.minimum(tl.maximum(x, -limit), limit)
+    bits = x.to(tl.int32, bitcast=True)
+    negative = bits < 0  # the sign bit, -0.0 included
+    bits = bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)
+    normal = (bits & ~((1 << drop) - 1)).to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2^23
+    subnormal = ((tl.abs(x) / sub + magic) - magic) * sub
+    subnormal = tl.where(negative, -subnormal, subnormal)
+    x = tl.where(tl.abs(x) < tiny, subnormal, normal)
+    return x.to(dtype, fp_downcast_rounding="rtne")
 
 
 @triton.jit(do_not_specialize=["stride_bt", "window"])
@@ -163,6 +195,7 @@ def _paged_attention_kernel(
         )  # [DIM_PAD, TILE_N]
         if UPCAST:
             k = k.to(tl.float32)
+        k = k.to(q.dtype)  # an fp8 cache widens to q's dtype; a no-op otherwise
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
         if ALIBI:
             s += slope_log2[:, None] * (pos[None, :] - q_pos[:, None]).to(tl.float32)
@@ -181,6 +214,7 @@ def _paged_attention_kernel(
         )  # [TILE_N, DIM_PAD]
         if UPCAST:
             v = v.to(tl.float32)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -244,6 +278,7 @@ def write_kv(
     if num_tokens == 0:
         return
     assert k.stride(2) == 1 and v.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
+    fp8 = torch.finfo(key_cache.dtype) if key_cache.dtype in _FP8 else None
     # Few tokens per program on a GPU (many programs in flight); many in the interpreter, which pays per program.
     tokens = 4 if k.device.type == "cuda" else 32
     _write_kv_kernel[(triton.cdiv(num_tokens, tokens),)](
@@ -266,6 +301,10 @@ def write_kv(
         TOKENS=tokens,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        FP8_MAX=fp8.max if fp8 is not None else 0.0,
+        FP8_TINY=fp8.tiny if fp8 is not None else 0.0,
+        FP8_SUB=fp8.tiny * fp8.eps if fp8 is not None else 0.0,
+        FP8_DROP=23 - round(-math.log2(fp8.eps)) if fp8 is not None else 1,
     )
 
 

@@ -2,9 +2,10 @@
 
 Text: docstrings of the Python standard library's top-level modules (module, class and function docstrings, in
 file order), which ship with every Python; the same Python version gives the same text. Each mode (`dtype` or
-`dtype:quantization`, e.g. float32, bfloat16, float32:int8) loads the engine once and scores the same
-non-overlapping windows of --window tokens; perplexity = exp(mean negative log-likelihood of every token after the
-first of each window). On a quantized GGUF, float32 is the GGUF's own quantization decoded exactly.
+`dtype:quantization`, e.g. float32, bfloat16, float32:int8, optionally with the KV cache's format after a slash,
+e.g. bfloat16/fp8_e4m3) loads the engine once and scores the same non-overlapping windows of --window tokens;
+perplexity = exp(mean negative log-likelihood of every token after the first of each window). On a quantized GGUF,
+float32 is the GGUF's own quantization decoded exactly.
 
 Greedy agreement: for --num-prompts prompts (openings of docstrings not scored), the number of leading greedy
 tokens (of --agree-len) each mode shares with the first mode's output.
@@ -94,9 +95,11 @@ def main(ns: argparse.Namespace) -> int:
     results = []
     reference_outputs = None
     for mode in ns.modes:
-        dtype, _, quant = mode.partition(":")
+        weights, _, kv_cache_dtype = mode.partition("/")
+        dtype, _, quant = weights.partition(":")
         args = EngineArgs.from_cli_args(ns)
         args.dtype, args.quantization = dtype, quant or "none"
+        args.kv_cache_dtype = kv_cache_dtype or "auto"
         args.max_model_len = max(ns.window, 256)
         llm = LLM.from_engine_args(args)
         if not results:
@@ -146,7 +149,8 @@ def add_parser(sub) -> None:
         "--modes",
         nargs="+",
         default=["float32", "float32:int8"],
-        help="dtype or dtype:quantization per mode; the first is the reference for greedy agreement",
+        help="dtype, dtype:quantization, either with /kv_cache_dtype (e.g. bfloat16/fp8_e4m3) per mode; the first is "
+        "the reference for greedy agreement",
     )
     p.add_argument("--window", type=int, default=512, help="tokens per scored window")
     p.add_argument("--num-windows", type=int, default=16)

@@ -45,6 +45,8 @@ _DTYPES = {
 }
 _FP16 = ("float16", "fp16", "half")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
+# vLLM's kv_cache_dtype values kvserve takes ("fp8" is e4m3, as in vLLM).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -80,6 +82,13 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
     return _DTYPES[name]
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """vLLM's kv_cache_dtype -> CacheConfig.cache_dtype: "auto", "fp8_e4m3" or "fp8_e5m2" ("fp8" is e4m3)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+
+
 def resolve_quantization(quantization: str | None, gguf_path: str | None) -> str | None:
     """`auto`: int8 for a GGUF whose layer matrices are quantized (a 4-bit file should give a small, fast engine,
     not a 4x larger float one); None (weights in `dtype`) for float GGUFs and HF folders. `none`/None: off."""
@@ -104,7 +113,9 @@ class EngineArgs:
     once. max_num_batched_tokens: token budget per step (None: 2048, or max_model_len without chunked prefill; a
     server on a GPU: 384, so that steps with a prefill chunk do not stall the streams).
     enable_chunked_prefill / enable_prefix_caching. block_size: tokens per KV block. kv_cache_memory: KV budget in
-    bytes (None: 40% of free RAM, at most 4 GiB). num_kv_blocks: exact KV block count (overrides the memory).
+    bytes (None: 40% of free RAM, at most 4 GiB). kv_cache_dtype: what K/V are stored as, vLLM's values: "auto" (the
+    model's dtype), "fp8_e4m3" (alias "fp8") or "fp8_e5m2", one byte per element, so twice the tokens of a bf16 cache
+    in the same kv_cache_memory (README, "fp8 KV cache"). num_kv_blocks: exact KV block count (overrides the memory).
     kv_prefault: fault the KV pool in at start-up: "off", "sync" or "background".
     num_threads / cpu_bind: compute threads (None: KVSERVE_NUM_THREADS, else the CPUs free to this process) and an
     optional CPU list to pin them to, e.g. "0-3" (kvserve/threads.py).
@@ -154,6 +165,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes
+    kv_cache_dtype: str = "auto"  # "auto" | "fp8" (= "fp8_e4m3") | "fp8_e4m3" | "fp8_e5m2"
     num_kv_blocks: int | None = None
     kv_prefault: str = "off"  # "off" | "sync" | "background"; `kvserve serve` defaults to background
     num_threads: int | None = None
@@ -248,6 +260,7 @@ class EngineArgs:
         cache = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory=self.kv_cache_memory,
+            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype),
             num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_prefault=self.kv_prefault,
@@ -452,6 +465,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=_bytes,
         default=None,
         help="KV cache budget, e.g. 2GiB or 512MiB (default: 40%% of free RAM, at most 4 GiB)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=d.kv_cache_dtype,
+        help="what K/V are stored as: auto (the model's dtype), fp8_e4m3 (fp8) or fp8_e5m2, one byte per element "
+        "(twice the tokens in the same --kv-cache-memory; e4m3 with scale 1.0, as vLLM without calibration)",
     )
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)")
     g.add_argument(

@@ -124,6 +124,23 @@ RULES: tuple[Rule, ...] = (
         lambda c: _alibi(c) and c.speculative is not None and c.speculative.method == "eagle",
         "the EAGLE head reads the target's Llama embedding and final RMSNorm, which BLOOM does not have",
     ),
+    Rule(
+        "kv_cache_dtype fp8 with draft-model or EAGLE speculation",
+        lambda c: c.cache.cache_dtype != "auto" and _model_proposer(c),
+        "the draft's own KV pool is allocated in the model's dtype and is not sized or converted for fp8 yet "
+        "(n-gram speculation works)",
+    ),
+    Rule(
+        "kv_cache_dtype fp8 on the GPU",
+        lambda c: c.cache.cache_dtype != "auto" and _gpu(c),
+        "not supported on the GPU yet: the Triton kernels' fp8 paths are checked in Triton's interpreter on the "
+        "CPU but have not run compiled on a GPU",
+    ),
+    Rule(
+        "kv_cache_dtype fp8 with dtype float16",
+        lambda c: c.cache.cache_dtype != "auto" and c.model.dtype == "float16",
+        "the fp8 KV paths are built and tested for bfloat16 and float32 models",
+    ),
     # deterministic=None means "where it holds" and is never refused; only an explicit True is.
     Rule(
         "deterministic with attention_backend torch",

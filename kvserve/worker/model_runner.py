@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.base import KVCache
+from kvserve.attention.kv_dtype import kv_cache_torch_dtype
 from kvserve.attention.selector import get_attn_backend
 from kvserve.attention.spec import AttentionSpec
 from kvserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
@@ -110,6 +111,8 @@ class ModelRunner:
         self.async_scheduling = scheduler_config.async_scheduling
         self.block_size = cache_config.block_size
         self.dtype = getattr(torch, model_config.dtype)
+        # What the KV cache holds: the model's dtype, or fp8 (CacheConfig.cache_dtype).
+        self.kv_dtype = kv_cache_torch_dtype(cache_config.cache_dtype, self.dtype)
         self.device, self._memory_baseline = _claim_device(model_config.device)
         self.on_gpu = self.device.type == "cuda"
         self.tp = get_tp_group()
@@ -162,6 +165,7 @@ class ModelRunner:
             self.device,
             config.attention_backend,
             config.deterministic,
+            self.kv_dtype,
         )
         start = time.perf_counter()
         self.gemv_choices: dict = {}  # (N, K, dtype, bias) -> the batch-1 GEMV chosen and the timings behind it
@@ -192,7 +196,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ the KV cache
 
     def _target_block_bytes(self) -> int:
-        return bytes_per_block(self.attn_backend, self.block_size, self.model_config.arch.num_hidden_layers, self.dtype)
+        arch = self.model_config.arch
+        return bytes_per_block(self.attn_backend, self.block_size, arch.num_hidden_layers, self.kv_dtype)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """This rank's KV cache (kvserve/kv_cache_spec.py). The layout id names everything that decides what a
@@ -200,7 +205,7 @@ class ModelRunner:
         config, arch = self.model_config, self.model_config.arch
         layout = (
             f"{config.fingerprint or config.path}|{config.dtype}|{config.quantization}"
-            f"|{self.attn_backend.kv_layout(self.block_size)}"
+            f"|{self.attn_backend.kv_layout(self.block_size)}|kv_dtype={self.cache_config.cache_dtype}"
             f"|kv_heads={arch.num_key_value_heads}|head_dim={arch.head_dim}|block={self.block_size}"
             f"|layers={arch.num_hidden_layers}|tp={self.tp.world_size}"
             # Blocks computed by a path that is not batch-invariant would break a deterministic reader's promise.
@@ -209,8 +214,9 @@ class ModelRunner:
         draft = self.proposer.layout_id() if self.proposer is not None else None
         if draft is not None:
             layout += f"|draft={draft}"
+        kv_dtype = str(self.kv_dtype).removeprefix("torch.")
         layers = tuple(
-            AttentionSpec(config.dtype, arch.sliding_window(i), arch.alibi) for i in range(arch.num_hidden_layers)
+            AttentionSpec(kv_dtype, arch.sliding_window(i), arch.alibi) for i in range(arch.num_hidden_layers)
         )
         block_bytes = self._target_block_bytes() + self._proposer_block_bytes()
         return KVCacheSpec(self.block_size, layers, (block_bytes,), layout)
@@ -226,7 +232,7 @@ class ModelRunner:
             cache,
             self.attn_backend,
             arch.num_hidden_layers,
-            self.dtype,
+            self.kv_dtype,
             self.tp.world_size,
             self._proposer_block_bytes(),
         )
@@ -261,7 +267,7 @@ class ModelRunner:
         dummy cache)."""
         inputs = dummy_attention_inputs(num_tokens, num_reqs, self.block_size)
         num_layers = self.model_config.arch.num_hidden_layers
-        dummy_cache = allocate_kv_cache(self.attn_backend, 1, self.block_size, num_layers, self.dtype, self.device)
+        dummy_cache = allocate_kv_cache(self.attn_backend, 1, self.block_size, num_layers, self.kv_dtype, self.device)
         qsl = inputs.query_start_loc
         positions = np.arange(num_tokens) - np.repeat(qsl[:-1], np.diff(qsl))
         hidden = self.model(
@@ -283,7 +289,7 @@ class ModelRunner:
             num_blocks,
             self.block_size,
             self.model_config.arch.num_hidden_layers,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         if self.proposer is not None:

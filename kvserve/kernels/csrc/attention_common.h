@@ -18,7 +18,8 @@ struct PagedShape {
   int64_t group() const { return num_heads / num_kv_heads; }
 };
 
-// q [S, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (any order inside a block); block_table
+// q [S, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (any order inside a block) of q's dtype or
+// fp8 (the standard layout; paged_attention.cpp); block_table
 // [S, max_blocks] int32; seq_lens [S] int64 (each >= 1).
 inline PagedShape check_paged_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                      const at::Tensor& block_table, const at::Tensor& seq_lens) {
@@ -26,7 +27,10 @@ inline PagedShape check_paged_inputs(const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous(), "block_table: int32");
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(), "seq_lens: int64");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || k_cache.scalar_type() == at::kFloat8_e4m3fn ||
+                  k_cache.scalar_type() == at::kFloat8_e5m2,
+              "the cache holds q's dtype or fp8");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v cache dtypes differ");
   PagedShape p{q.size(0), q.size(1), q.size(2), k_cache.size(1), k_cache.size(2), block_table.size(1)};
   TORCH_CHECK(k_cache.size(3) == p.head_dim && p.num_heads % p.num_kv_heads == 0, "head layout mismatch");
   return p;

@@ -161,6 +161,25 @@ void write_kv_rows(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T
   });
 }
 
+// The same into an fp8 cache (standard layout): each element converted on store by to_fp8 (simd.h), which also
+// replaces NaN and saturates.
+template <typename T, typename F8>
+void write_kv_rows_fp8(const T* k, const T* v, int64_t k_stride, int64_t v_stride, F8* k_cache, F8* v_cache,
+                       const int64_t* slots, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      F8* kd = k_cache + slots[row] * width;
+      F8* vd = v_cache + slots[row] * width;
+      const T* ks = k + row * k_stride;
+      const T* vs = v + row * v_stride;
+      for (int64_t i = 0; i < width; ++i) {
+        kd[i] = to_fp8<F8>(to_f(ks[i]));
+        vd[i] = to_fp8<F8>(to_f(vs[i]));
+      }
+    }
+  });
+}
+
 // The same into the pair-packed layout (kv_layout.h): each row is sanitised in a scratch copy, then scattered.
 template <typename T>
 void write_kv_rows_packed(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T* k_cache, T* v_cache,
@@ -229,6 +248,7 @@ at::Tensor silu_and_mul(at::Tensor x) {
 // k, v [T, Hkv * D] row views (unit column stride); caches [num_blocks, block_size, Hkv, D]; slot_mapping [T].
 // Writes each token's K and V into its slot, in the standard layout or, with `packed`, the pair-packed one
 // (kv_layout.h); NaN becomes 0 and +-inf the largest finite value, so the cache never holds a non-finite number.
+// An fp8 cache (float8_e4m3fn / float8_e5m2, standard layout only) gets each value converted by to_fp8.
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
               bool packed) {
   TORCH_CHECK(k.dim() == 2 && v.dim() == 2 && k.stride(1) == 1 && v.stride(1) == 1, "write_kv: 2-D row views");
@@ -238,8 +258,22 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
   TORCH_CHECK(k.size(1) == width && v.size(1) == width, "write_kv: width");
   TORCH_CHECK(!packed || (head_dim % 2 == 0 && block_size % 2 == 0), "write_kv: packed needs even sizes");
   auto slots = slot_mapping.contiguous();
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "write_kv: k and v cache dtypes differ");
+  TORCH_CHECK(!packed || !is_fp8(k_cache.scalar_type()), "write_kv: an fp8 cache has the standard layout");
   dispatch_float(k, [&](auto tag) {
     using T = decltype(tag);
+    if (is_fp8(k_cache.scalar_type())) {
+      dispatch_kv_cache(k_cache, tag, [&](auto cache_tag) {
+        using C = decltype(cache_tag);
+        if constexpr (kIsFp8<C>) {
+          write_kv_rows_fp8<T, C>(k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0),
+                                  static_cast<C*>(k_cache.data_ptr()), static_cast<C*>(v_cache.data_ptr()),
+                                  slots.data_ptr<int64_t>(), k.size(0), width);
+        }
+      });
+      return;
+    }
+    TORCH_CHECK(k_cache.scalar_type() == k.scalar_type(), "write_kv: the cache holds k's dtype or fp8");
     if (packed) {
       write_kv_rows_packed<T>(k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0), k_cache.data_ptr<T>(),
                               v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(), k.size(0), num_kv_heads, head_dim,

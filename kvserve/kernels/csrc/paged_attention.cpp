@@ -5,7 +5,8 @@
 // Each task (attention_common.h) keeps an online softmax over its context, one block at a time, for the G query
 // heads that share a kv head (GQA). Math is fp32; inputs are fp32 or bf16. The fast path (head_dim 64/128, the
 // groups of with_head_shape) is written once on vec.h's helpers and compiled for each ISA level; other shapes
-// run plain loops.
+// run plain loops. The cache holds q's dtype or fp8 (C below): fp8 rows are widened to fp32 as they are read, by
+// the same vload / row_as_float helpers (vec.h, simd.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -48,8 +49,8 @@ inline void prefetch_part(const void* p, int64_t bytes, int i, int parts) {
 // Whole token rows of a block are contiguous ([block_size, Hkv, D]), so a task that takes every kv head streams
 // each block front to back, which the hardware prefetcher follows; a task per (sequence, kv head) would read
 // 1/Hkv of every row with a stride and stall on memory latency (measured: ~75% of cycles waiting on loads).
-template <typename T>
-void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
+template <typename T, typename C>
+void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_table,
                    const int64_t* seq_lens, T* out, const PagedShape& p, float scale, int64_t hpt,
                    int64_t window, const float* alibi) {
   const int group = static_cast<int>(p.group());
@@ -57,7 +58,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
   const int64_t block_size = p.block_size, token_stride = p.num_kv_heads * p.head_dim;
   const int nq = static_cast<int>(hpt) * group;  // query heads per task
   const int64_t row_len = hpt * p.head_dim;
-  const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(C));
   parallel_over_tasks(p, hpt, [&] {
     return [&, qf = std::vector<float>(nq * hd), acc = std::vector<float>(nq * hd),
             scores = std::vector<float>(nq * block_size), row = std::vector<float>(token_stride),
@@ -116,15 +117,20 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
 // - p.v: the accumulators stay in registers while a block's tokens stream through: all G x NV of them where they
 //   fit (AVX-512's 32 registers), otherwise one kW-wide column of the G heads at a time (AVX2's 16), re-reading
 //   the block's V rows from L1 for each column.
-template <int HD, int G, typename T>
+//
+// C: the cache's element type, T's or an fp8. An fp8 block's K rows of one kv head are widened to fp32 once
+// (k_rows), not once per query head of the group, and the q.k loop reads them there; V rows are widened as
+// the p.v loop loads them, once per element already.
+template <int HD, int G, typename T, typename C = T>
 struct FastDecode {
   static constexpr int NV = HD / kW;  // vectors per head row
   static constexpr bool kRowsInRegisters = (G + 1) * NV + 2 <= kNumVecRegs;
+  using KRow = std::conditional_t<kIsFp8<C>, float, C>;  // what the q.k loop reads K rows as
 
   // Partial (kW-lane) products of query head row q with key row k; summed across lanes later by vhsum.
-  static inline vf dot_partial(const vf* qf, const uint16_t* qb, const T* k) {
+  static inline vf dot_partial(const vf* qf, const uint16_t* qb, const KRow* k) {
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if constexpr (std::is_same_v<KRow, at::BFloat16>) {
       const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
       __m512 acc = _mm512_setzero_ps();
       for (int c = 0; c < HD; c += 32)
@@ -138,14 +144,30 @@ struct FastDecode {
     return acc;
   }
 
-  static void run(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table, const int64_t* seq_lens,
+  // The n K rows (of one kv head, token_stride apart) as the q.k loop reads them: in place, or for an fp8 cache
+  // widened into `buf` ([n, HD]). Sets `stride` to the distance between the returned rows.
+  static inline const KRow* k_rows(const C* k, int64_t token_stride, int n, float* buf, int64_t& stride) {
+    if constexpr (kIsFp8<C>) {
+      for (int t = 0; t < n; ++t)
+        for (int c = 0; c < NV; ++c) vstore(buf + t * HD + kW * c, vload(k + t * token_stride + kW * c));
+      stride = HD;
+      return buf;
+    } else {
+      (void)buf;
+      stride = token_stride;
+      return k;
+    }
+  }
+
+  static void run(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_table, const int64_t* seq_lens,
                   T* out, const PagedShape& p, float scale, int64_t hpt, int64_t window, const float* alibi) {
     const int64_t block_size = p.block_size, token_stride = p.num_kv_heads * HD;
     const int nq = static_cast<int>(hpt) * G;
     parallel_over_tasks(p, hpt, [&] {
       return [&, qf_all = std::vector<float>(nq * HD), qb_all = std::vector<uint16_t>(nq * HD),
               acc = std::vector<float>(nq * HD), scores = std::vector<float>(nq * block_size),
-              m = std::vector<float>(nq), l = std::vector<float>(nq)](int64_t s, int64_t h0) mutable {
+              kbuf = std::vector<float>(kIsFp8<C> ? block_size * HD : 0), m = std::vector<float>(nq),
+              l = std::vector<float>(nq)](int64_t s, int64_t h0) mutable {
         const int64_t len = seq_lens[s], lo = window_start(len, window);
         const int64_t q0 = s * p.num_heads + h0 * G;
         for (int j = 0; j < nq; ++j) {
@@ -163,7 +185,9 @@ struct FastDecode {
           const int64_t next_base = has_next ? table[start / block_size + 1] * block_size * token_stride : 0;
           for (int hh = 0; hh < hpt; ++hh) {
             const int64_t base = block * block_size * token_stride + (h0 + hh) * HD;
-            const T* next_k = has_next ? k_cache + next_base + (h0 + hh) * HD : nullptr;
+            const C* next_k = has_next ? k_cache + next_base + (h0 + hh) * HD : nullptr;
+            int64_t kstride;
+            const KRow* krows = k_rows(k_cache + base, token_stride, n, kbuf.data(), kstride);
             // q.k for the G query heads of this kv head, kW tokens at a time.
             for (int g = 0; g < G; ++g) {
               const int j = hh * G + g;
@@ -177,8 +201,8 @@ struct FastDecode {
                   // While reading this head's row of token t, fetch a G-th of the same row of the next block
                   // (blocks sit anywhere in the pool, so the hardware prefetcher cannot guess where it is).
                   if (next_k != nullptr && tt < cnt)
-                    prefetch_part(next_k + (t0 + tt) * token_stride, HD * static_cast<int64_t>(sizeof(T)), g, G);
-                  part[tt] = tt < cnt ? dot_partial(qf, qb, k_cache + base + (t0 + tt) * token_stride) : vzero();
+                    prefetch_part(next_k + (t0 + tt) * token_stride, HD * static_cast<int64_t>(sizeof(C)), g, G);
+                  part[tt] = tt < cnt ? dot_partial(qf, qb, krows + (t0 + tt) * kstride) : vzero();
                 }
                 const vf sc = vmul(vhsum(part), vset(scale));
                 if (cnt == kW) {
@@ -215,16 +239,16 @@ struct FastDecode {
 
   // acc[g] += sum_t probs[g][t] * v[t] for the G query heads of one kv head, over n tokens of one block.
   // next_v: the same head's rows in the next block (prefetched alongside), or nullptr.
-  static inline void accumulate_pv(const T* v, const T* next_v, int64_t token_stride, const float* probs,
+  static inline void accumulate_pv(const C* v, const C* next_v, int64_t token_stride, const float* probs,
                                    int64_t probs_stride, int n, float* acc) {
-    constexpr int64_t kRowBytes = HD * static_cast<int64_t>(sizeof(T));
+    constexpr int64_t kRowBytes = HD * static_cast<int64_t>(sizeof(C));
     if constexpr (kRowsInRegisters) {
       vf a[G][NV];
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < NV; ++c) a[g][c] = vload(acc + g * HD + kW * c);
       for (int t = 0; t < n; ++t) {
         if (next_v != nullptr) prefetch_range(next_v + t * token_stride, kRowBytes);
-        const T* vrow = v + t * token_stride;
+        const C* vrow = v + t * token_stride;
         vf vv[NV];
         for (int c = 0; c < NV; ++c) vv[c] = vload(vrow + kW * c);
         for (int g = 0; g < G; ++g) {
@@ -251,7 +275,8 @@ struct FastDecode {
 
 }  // namespace
 
-// q [S, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table [S, max_blocks] int32;
+// q [S, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] of q's dtype or fp8 (e4m3fn, e5m2: unscaled
+// values, widened exactly); block_table [S, max_blocks] int32;
 // seq_lens [S] int64 (each >= 1); window: each row sees only its last `window` keys (0: all of them);
 // alibi_slopes: none, or [H] fp32 ALiBi slopes (add_alibi). Returns [S, H, D] in q's dtype.
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
@@ -266,17 +291,20 @@ at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v
   const int64_t hpt = heads_per_task(p);
   dispatch_float(q, [&](auto tag) {
     using T = decltype(tag);
-    const T* qp = q.data_ptr<T>();
-    const T* kc = k_cache.data_ptr<T>();
-    const T* vc = v_cache.data_ptr<T>();
-    const int32_t* table = block_table.data_ptr<int32_t>();
-    const int64_t* lens = seq_lens.data_ptr<int64_t>();
-    T* o = out.data_ptr<T>();
-    const bool fast = with_head_shape(p.head_dim, p.group(), [&](auto hd, auto g) {
-      FastDecode<decltype(hd)::value, decltype(g)::value, T>::run(qp, kc, vc, table, lens, o, p, sc, hpt, window,
-                                                             alibi);
+    dispatch_kv_cache(k_cache, tag, [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      const T* qp = q.data_ptr<T>();
+      const C* kc = static_cast<const C*>(k_cache.data_ptr());
+      const C* vc = static_cast<const C*>(v_cache.data_ptr());
+      const int32_t* table = block_table.data_ptr<int32_t>();
+      const int64_t* lens = seq_lens.data_ptr<int64_t>();
+      T* o = out.data_ptr<T>();
+      const bool fast = with_head_shape(p.head_dim, p.group(), [&](auto hd, auto g) {
+        FastDecode<decltype(hd)::value, decltype(g)::value, T, C>::run(qp, kc, vc, table, lens, o, p, sc, hpt,
+                                                                        window, alibi);
+      });
+      if (!fast) decode_kernel<T, C>(qp, kc, vc, table, lens, o, p, sc, hpt, window, alibi);
     });
-    if (!fast) decode_kernel<T>(qp, kc, vc, table, lens, o, p, sc, hpt, window, alibi);
   });
   return out;
 }

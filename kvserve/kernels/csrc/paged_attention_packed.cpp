@@ -164,7 +164,7 @@ at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   c10::optional<at::Tensor> alibi_slopes) {
   const PagedShape p = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens);
   const float* alibi = alibi_slopes_ptr(alibi_slopes, p.num_heads);
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "packed cache: bf16 only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16, "packed cache: bf16 only");
   TORCH_CHECK(packed_kv_supported(p.head_dim, p.group(), p.block_size),
               "no packed decode kernel for this shape on this CPU");
   auto out = at::empty_like(q);

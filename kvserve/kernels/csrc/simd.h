@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -16,22 +17,39 @@ namespace kvserve {
 
 inline float to_f(float x) { return x; }
 inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f(Fp8E4M3 x) { return static_cast<float>(x); }
+inline float to_f(Fp8E5M2 x) { return static_cast<float>(x); }
+
+template <typename T>
+inline constexpr bool kIsFp8 = std::is_same_v<T, Fp8E4M3> || std::is_same_v<T, Fp8E5M2>;
 
 // ---------------------------------------------------------------- row conversion (fp32 / bf16 -> fp32)
 
 inline void load_row(const float* src, float* dst, int n) { std::memcpy(dst, src, sizeof(float) * n); }
 
-inline void load_row(const at::BFloat16* src, float* dst, int n) {
+// bf16 and fp8 rows (exact).
+template <typename T, typename = std::enable_if_t<std::is_same_v<T, at::BFloat16> || kIsFp8<T>>>
+inline void load_row(const T* src, float* dst, int n) {
   int i = 0;
   for (; i + kW <= n; i += kW) vstore(dst + i, vload(src + i));
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// A cache row as fp32: fp32 rows are used in place, bf16 rows are converted into `buf`.
+// A cache row as fp32: fp32 rows are used in place, bf16 and fp8 rows are converted into `buf`.
 inline const float* row_as_float(const float* src, float* /*buf*/, int /*n*/) { return src; }
-inline const float* row_as_float(const at::BFloat16* src, float* buf, int n) {
+template <typename T>
+inline const float* row_as_float(const T* src, float* buf, int n) {
   load_row(src, buf, n);
   return buf;
+}
+
+// x as an fp8 cache stores it: NaN -> 0, saturated to the format's largest finite value, rounded to nearest even
+// by c10's conversion (the same as torch's .to(): attention/kv_dtype.py's quantize_kv is the reference).
+template <typename F8>
+inline F8 to_fp8(float x) {
+  const float limit = static_cast<float>(std::numeric_limits<F8>::max());
+  if (std::isnan(x)) x = 0.f;
+  return F8(std::min(std::max(x, -limit), limit));
 }
 
 inline void store_row(const float* src, float* dst, int n) { std::memcpy(dst, src, sizeof(float) * n); }
@@ -95,6 +113,20 @@ inline float max_of(const float* x, int64_t n) {
   for (; i < n; ++i) m = std::max(m, x[i]);
   return m;
 }
+
+// Calls f(C{}) with C the KV cache's element type: `same` (the model's dtype, T{} of dispatch_float) or an fp8.
+template <typename T, typename F>
+void dispatch_kv_cache(const at::Tensor& cache, T same, F&& f) {
+  if (cache.scalar_type() == at::kFloat8_e4m3fn) {
+    f(Fp8E4M3{});
+  } else if (cache.scalar_type() == at::kFloat8_e5m2) {
+    f(Fp8E5M2{});
+  } else {
+    f(same);
+  }
+}
+
+inline bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
 // Calls f(T{}) with T = float or at::BFloat16, the dtypes every kernel takes.
 template <typename F>

@@ -6,7 +6,12 @@
 //   vf: kW fp32 lanes    vi: kW int32 lanes    vm: a lane mask (from a comparison)
 //
 // bf16 loads widen exactly (bf16 is the top half of an fp32); bf16 stores round to nearest even, as c10::BFloat16
-// does for finite values.
+// does for finite values. fp8 loads (the KV cache's one-byte formats, vload(const Fp8E5M2*) / vload(const Fp8E4M3*))
+// widen exactly too, through fp16 (vcvtph2ps where the level has F16C):
+//   e5m2 is the top byte of an fp16, so its fp16 bits are byte << 8;
+//   e4m3 (exponent bias 7) placed as s.0eeee.mmm0000000 is an fp16 (bias 15) of 2^-8 times its value, subnormals
+//   included (they become fp16 subnormals, which vcvtph2ps widens exactly): one multiply by 256 restores it.
+//   Its NaN encodings (0x7F, 0xFF) would read as 480; the cache never holds them (writes saturate).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,6 +25,9 @@
 #endif
 
 namespace kvserve {
+
+using Fp8E4M3 = c10::Float8_e4m3fn;
+using Fp8E5M2 = c10::Float8_e5m2;
 
 #if defined(__AVX512F__)
 // ================================================================ AVX-512
@@ -36,6 +44,17 @@ inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vf vload(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vf vload(const Fp8E5M2* p) {
+  const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(h, 8));
+}
+inline vf vload(const Fp8E4M3* p) {
+  const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  // byte << 8, then an arithmetic shift right by 1 moves exponent and mantissa down one bit and copies the sign
+  // into bit 14, which the mask clears.
+  const __m256i f16 = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(h, 8), 1), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(f16), _mm512_set1_ps(256.0f));
 }
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vi vbits(vf v) { return _mm512_castps_si512(v); }
@@ -112,6 +131,15 @@ inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vf vload(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vf vload(const Fp8E5M2* p) {
+  const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(h, 8));
+}
+inline vf vload(const Fp8E4M3* p) {
+  const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i f16 = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(h, 8), 1), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(f16), _mm256_set1_ps(256.0f));
 }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vi vbits(vf v) { return _mm256_castps_si256(v); }
@@ -201,6 +229,15 @@ inline vf vload(const at::BFloat16* p) {
   for (int i = 0; i < kW; ++i) w[i] = static_cast<int32_t>(static_cast<uint32_t>(h[i]) << 16);
   return reinterpret_cast<vf&>(w);
 }
+// fp8: c10's exact scalar widening per lane (this level is for portability, not speed).
+template <typename F8>
+inline vf vload_fp8(const F8* p) {
+  vf v;
+  for (int i = 0; i < kW; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+inline vf vload(const Fp8E5M2* p) { return vload_fp8(p); }
+inline vf vload(const Fp8E4M3* p) { return vload_fp8(p); }
 inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 inline vi vbits(vf v) { return reinterpret_cast<vi&>(v); }
 inline vf vfrombits(vi v) { return reinterpret_cast<vf&>(v); }
