@@ -46,13 +46,14 @@ def test_fp8_cache_doubles_the_blocks_and_names_its_format(tiny_model_factory, k
     assert "|kv_dtype=auto|" in runner_of(bf16).kv_cache_spec().layout_id
 
 
+@pytest.mark.parametrize("model", [MODEL, "bloom-alibi"])  # ALiBi: the slopes on the generic path's fp8 reads
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_greedy_kernels_equal_torch_reference(tiny_model_factory, kv_cache_dtype):
+def test_fp8_greedy_kernels_equal_torch_reference(tiny_model_factory, kv_cache_dtype, model):
     """fp32 model, fp8 cache: the C++ kernels' greedy tokens equal the torch reference's over batched prompts with
     a shared prefix (prefix-cache hits) and chunked prefill (a 16-token budget), twice (the second round from the
     prefix cache); every block is free at the end."""
     require_kernels()
-    path = tiny_model_factory(MODEL)
+    path = tiny_model_factory(model)
     ps = [{"prompt_token_ids": p} for p in prompts()]
     outs = {}
     for backend in ("cpu", "torch"):
