@@ -7,8 +7,9 @@ OpenVINO environment has no kvserve). kvserve's side (`openvino_peer.py`) writes
 
 Job (JSON): {"mode": "offline" | "latency", "model_dir", "properties" (CPU properties, e.g. INFERENCE_NUM_THREADS and
 INFERENCE_PRECISION_HINT), "temperature", "seed", and per mode:
-- offline: "requests": [[prompt_token_ids, output_len], ...], "scheduler": SchedulerConfig fields; the whole list goes
-  to one ContinuousBatchingPipeline.generate call (ignore_eos, so each request yields exactly output_len tokens);
+- offline: "requests": [[prompt_token_ids, output_len], ...], "warmup" (the same form, run first, untimed),
+  "scheduler": SchedulerConfig fields; each list goes to one ContinuousBatchingPipeline.generate call (ignore_eos,
+  so each request yields exactly output_len tokens, which is checked);
 - latency: "gen_len", "pp_prompts" and "tg_prompts" ([[token ids], ...], the first of each untimed, for warm-up):
   LLMPipeline at batch 1; pp = prompt length / time to first token, tg = 1 / time per output token after the first
   over gen_len tokens (OpenVINO GenAI's own perf metrics), as `kvserve bench latency` reports them.
