@@ -16,6 +16,14 @@ from dataclasses import asdict, dataclass, replace
 
 from kvserve.benchmarks.competing_load import CompetingLoad
 from kvserve.benchmarks.datasets import DATASETS, BenchRequest, DatasetSpec, build_dataset
+from kvserve.benchmarks.openvino_peer import (
+    add_openvino_args,
+    engine_threads,
+    openvino_name,
+    openvino_properties,
+    openvino_summary,
+    run_openvino,
+)
 from kvserve.engine.arg_utils import EngineArgs, add_cli_args
 from kvserve.platform import platform_record, startup_summary
 
@@ -188,7 +196,8 @@ def main(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM.from_engine_args(args)
     print(f"kvserve loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    dtype = llm.engine.config.model.dtype
+    llm_config = llm.engine.config
+    dtype = llm_config.model.dtype
     print(platform_line(dtype))
     vocab = llm.engine.config.model.arch.vocab_size
     requests = build_dataset(dataset_spec(ns), vocab, llm.get_tokenizer() if ns.dataset == "copy" else None)
@@ -254,6 +263,10 @@ def main(ns: argparse.Namespace) -> int:
             print(f"{r.name}: {r.output_tokens_per_s:.1f} output tok/s", file=sys.stderr)
             results.append(r)
 
+    if ns.openvino:
+        results.append(run_openvino_offline(ns, llm_config, requests))
+        print(f"{results[-1].name}: {results[-1].output_tokens_per_s:.1f} output tok/s", file=sys.stderr)
+
     print_results(results)
     for name, st in stats.items():
         spec = st.get("spec_decoding_this_run")
@@ -278,6 +291,32 @@ def main(ns: argparse.Namespace) -> int:
                 indent=2,
             )
     return 0
+
+
+def run_openvino_offline(ns: argparse.Namespace, config, requests: list[BenchRequest]) -> ThroughputResult:
+    """The same requests through OpenVINO GenAI's ContinuousBatchingPipeline, with kvserve's scheduling limits."""
+    props = openvino_properties(ns.openvino_precision, config.model.dtype, engine_threads(config), ns.openvino_property)
+    warm = DatasetSpec("random", num_requests=8, seed=ns.seed + 1, input_len=(64, 128), output_len=(8, 16))
+    job = {
+        "mode": "offline",
+        "model_dir": ns.openvino,
+        "properties": props,
+        "temperature": ns.temperature,
+        "seed": ns.seed,
+        "scheduler": {
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "cache_size": ns.openvino_cache_gb,
+            "enable_prefix_caching": False,  # random prompts share nothing; kvserve's cache costs it ~nothing here
+        },
+        "warmup": [[r.prompt_token_ids, r.output_len] for r in build_dataset(warm, config.model.arch.vocab_size)],
+        "requests": [[r.prompt_token_ids, r.output_len] for r in requests],
+    }
+    out = run_openvino(ns.openvino_python, job)
+    print(openvino_summary(out["device"], props))
+    name = openvino_name(ns.openvino, props)
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    return ThroughputResult(name, out["seconds"], out["num_requests"], prompt_tokens, out["output_tokens"])
 
 
 def _spec_delta(before: dict, after: dict) -> dict:
@@ -316,6 +355,9 @@ def print_results(results: list[ThroughputResult]) -> None:
             f"kvserve / best HF ({best.name}): {results[0].output_tokens_per_s / best.output_tokens_per_s:.2f}x "
             "output tok/s"
         )
+    for r in results:
+        if r.name.startswith("openvino-genai"):
+            print(f"kvserve / {r.name}: {results[0].output_tokens_per_s / r.output_tokens_per_s:.2f}x output tok/s")
 
 
 def add_parser(sub) -> None:
@@ -345,5 +387,7 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of every request (0: greedy)")
     p.add_argument("--repeat", type=int, default=1, help="kvserve runs per configuration (ABBA order); median counts")
     p.add_argument("--json", default=None, help="write results to this file")
+    add_openvino_args(p)
+    p.add_argument("--openvino-cache-gb", type=int, default=2, help="OpenVINO's KV cache size (whole GB)")
     add_cli_args(p)
     p.set_defaults(func=main)
