@@ -36,8 +36,8 @@ def force_limits(llm: LLM, pattern: list[bool]) -> None:
 
 @pytest.mark.parametrize("method", ["draft_self", "eagle"])
 def test_left_out_requests_catch_up_exactly(target_path, eagle_head_path, plain, method):
-    model = target_path if method == "draft_self" else eagle_head_path
-    config = {"method": "draft_model" if method == "draft_self" else "eagle", "model": model, "num_speculative_tokens": K}
+    kind, model = ("draft_model", target_path) if method == "draft_self" else ("eagle", eagle_head_path)
+    config = {"method": kind, "model": model, "num_speculative_tokens": K}
     llm = LLM(target_path, dtype="float32", max_model_len=256, speculative_config=config)
     # Out for 1-3 steps at a time; the 3-step gap also spans prompts' whole prefills.
     force_limits(llm, [True, False, True, True, False, False, True, False, False, False, True])
