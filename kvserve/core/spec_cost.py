@@ -16,9 +16,10 @@ The speculation policy (core/spec_policy.py) asks two questions each step, and b
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Sequence
 
-_EWMA_WEIGHT = 0.2  # weight of the newest measurement of a step-cost bucket or a proposer cost
+_WINDOW = 9  # measurements of a step-cost bucket or a proposer cost that their median is taken over
 
 
 def expected_tokens(acceptance: Sequence[float], num_drafts: int) -> float:
@@ -62,49 +63,63 @@ def bucket(num_tokens: int) -> int:
     return (num_tokens >> shift) << shift
 
 
-class Ewma:
-    """An exponentially weighted mean; None until the first sample."""
+class RecentMedian:
+    """The median of the last `size` measurements, ignoring the very first one (a shape's first step pays for
+    kernel selection and warm-up: tens of times the usual cost on a CPU). None until one is kept. A median,
+    not a mean: one slow step (a page fault, another process) must not turn speculation off for long."""
 
-    __slots__ = ("value",)
+    __slots__ = ("_samples", "_seen", "_value")
 
-    def __init__(self) -> None:
-        self.value: float | None = None
+    def __init__(self, size: int = _WINDOW) -> None:
+        self._samples: deque[float] = deque(maxlen=size)
+        self._seen = 0
+        self._value: float | None = None
 
-    def add(self, x: float, weight: float = _EWMA_WEIGHT) -> None:
-        self.value = x if self.value is None else (1 - weight) * self.value + weight * x
+    def add(self, x: float) -> None:
+        self._seen += 1
+        if self._seen == 1:
+            return
+        self._samples.append(x)
+        ordered = sorted(self._samples)
+        self._value = ordered[len(ordered) // 2]
+
+    @property
+    def value(self) -> float | None:
+        return self._value
 
 
 class StepCostModel:
     """Seconds of a decode-only target step as a function of its query tokens T, learnt from measured steps.
 
-    Each bucket of T keeps moving means of T and of the seconds; `seconds(T)` interpolates linearly between the
-    measured buckets, is flat below the smallest, and above the largest follows the slope of the two largest
+    Each bucket of T keeps the median of its recent seconds (T: the bucket's mean); `seconds(T)` interpolates
+    linearly between the measured buckets, is flat below the smallest, and above the largest follows the slope of the two largest
     (never below 0), or T / T_max times the largest's cost while only one is measured (a compute-bound guess:
     pessimistic where the step is still flat, so the first probes, not the guess, find the flat part).
     """
 
     def __init__(self) -> None:
-        self._buckets: dict[int, tuple[Ewma, Ewma]] = {}
+        self._buckets: dict[int, tuple[list[int], RecentMedian]] = {}
         self._points: list[tuple[float, float]] | None = []  # sorted (T, seconds), rebuilt lazily
 
     @property
     def empty(self) -> bool:
-        return not self._buckets
+        return not self.points()
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0:
             return
-        tokens, secs = self._buckets.setdefault(bucket(num_tokens), (Ewma(), Ewma()))
-        tokens.add(float(num_tokens))
+        tokens, secs = self._buckets.setdefault(bucket(num_tokens), ([0, 0], RecentMedian()))
+        tokens[0] += num_tokens
+        tokens[1] += 1
         secs.add(seconds)
         self._points = None
 
     def points(self) -> list[tuple[float, float]]:
         if self._points is None:
             pts = []
-            for t, s in self._buckets.values():
-                assert t.value is not None and s.value is not None
-                pts.append((t.value, s.value))
+            for (total, count), secs in self._buckets.values():
+                if secs.value is not None:
+                    pts.append((total / count, secs.value))
             self._points = sorted(pts)
         return self._points
 
@@ -143,8 +158,8 @@ class ProposerCostModel:
     steps. None until measured."""
 
     def __init__(self) -> None:
-        self.per_request = Ewma()
-        self.per_draft_token = Ewma()
+        self.per_request = RecentMedian()
+        self.per_draft_token = RecentMedian()
 
     def observe(self, pass_seconds: float, num_requests: int, draft_seconds: float, num_draft_tokens: int) -> None:
         if num_requests > 0:

@@ -47,15 +47,23 @@ def test_best_num_drafts_at_batch_64_compute_bound():
 
 def test_step_cost_curve_interpolates_and_extrapolates():
     m = StepCostModel()
+    m.observe(8, 500 * MS)  # a shape's first step (warm-up) is ignored
     assert m.seconds(8) is None and m.extra_seconds(8, 1) is None
     m.observe(8, 20 * MS)
     assert m.seconds(16) == pytest.approx(40 * MS)  # one point: compute-bound guess (pessimistic)
     assert m.seconds(1) == pytest.approx(20 * MS)  # flat below the smallest measured
     m.observe(16, 26 * MS)
+    m.observe(16, 26 * MS)
     assert m.seconds(12) == pytest.approx(23 * MS)
     assert m.seconds(24) == pytest.approx(32 * MS)  # the slope of the last two, 0.75 ms a token
     assert m.extra_seconds(8, 8) == pytest.approx(6 * MS)
+    m.observe(17, 20 * MS)
     m.observe(17, 20 * MS)  # noise: a falling curve never gives negative extra costs
+    for _ in range(4):
+        m.observe(8, 20 * MS)
+    for _ in range(4):
+        m.observe(8, 200 * MS)  # a slow spell: the median of the last 9 holds until it is most of them
+    assert m.seconds(8) == pytest.approx(20 * MS)
     assert m.extra_seconds(17, 10) == 0.0
     assert [bucket(t) for t in (1, 32, 33, 40, 63, 64, 71, 72, 300)] == [1, 32, 32, 40, 60, 64, 64, 72, 288]
 
@@ -74,7 +82,7 @@ def test_acceptance_per_position_counts_only_the_drafts_reached():
 
 def _measured_policy(config: SpeculativeConfig, plain_ms: float, per_token_ms: float, propose_ms: float):
     policy = SpecDecodePolicy(config)
-    for t in (1, 2, 8, 16, 64, 128):
+    for t in (1, 1, 2, 2, 8, 8, 16, 16, 64, 64, 128, 128):  # each bucket's first measurement is ignored
         policy.observe_step(t, True, (plain_ms + per_token_ms * t) * MS, propose_ms * MS, 1, 0.0, 0)
     return policy
 
