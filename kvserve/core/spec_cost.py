@@ -91,10 +91,11 @@ class RecentMedian:
 class StepCostModel:
     """Seconds of a decode-only target step as a function of its query tokens T, learnt from measured steps.
 
-    Each bucket of T keeps the median of its recent seconds (T: the bucket's mean); `seconds(T)` interpolates
-    linearly between the measured buckets, is flat below the smallest, and above the largest follows the slope of the two largest
-    (never below 0), or T / T_max times the largest's cost while only one is measured (a compute-bound guess:
-    pessimistic where the step is still flat, so the first probes, not the guess, find the flat part).
+    Each bucket of T keeps the median of its recent seconds (T: the bucket's mean). `seconds(T)` interpolates
+    linearly between the measured buckets, is flat below the smallest, and above the largest follows the slope
+    of the two largest (never below 0), or T / T_max times the largest's cost while only one is measured (a
+    compute-bound guess: pessimistic where the step is still flat, so the first probes, not the guess, find
+    the flat part).
     """
 
     def __init__(self) -> None:
