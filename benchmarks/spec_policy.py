@@ -2,7 +2,7 @@
 off, in the same run (one `kvserve bench throughput --ablate speculative` per cell, greedy).
 
     PYTHONPATH=. python benchmarks/spec_policy.py [--proposers ngram eagle draft] [--batch-sizes 1 8 64] \\
-        [--workloads chat random] [--repeat 1] [--json docs/results/spec-policy.json]
+        [--workloads chat random] [--repeat 1] [--waves 1] [--output-len MIN MAX] [--json FILE]
 
 Workloads: `chat` (natural questions, nothing to copy; kvserve.benchmarks.datasets) and `random` (random-token
 prompts). Batch b runs max(b, 3) requests with at most b at a time (max-num-seqs b). Proposers: n-gram (K = 4),
@@ -34,16 +34,18 @@ PROPOSERS = {
 OUTPUT_LEN = {1: (96, 96), 8: (64, 96), 64: (48, 64)}
 
 
-def cell_args(proposer: str, workload: str, batch: int, repeat: int, out: str) -> argparse.Namespace:
+def cell_args(
+    proposer: str, workload: str, batch: int, repeat: int, out: str, waves: int, output_len: list[int] | None
+) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     throughput.add_parser(parser.add_subparsers())
-    lo, hi = OUTPUT_LEN.get(batch, (64, 96))
+    lo, hi = output_len or OUTPUT_LEN.get(batch, (64, 96))
     argv = [
         "throughput",
         "--dataset",
         workload,
         "--num-requests",
-        str(max(batch, 3)),
+        str(max(batch, 3) * waves),
         "--input-len",
         "64",
         "128",
@@ -73,6 +75,8 @@ def main() -> int:
     ap.add_argument("--workloads", nargs="+", choices=["chat", "random"], default=["chat", "random"])
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration (ABBA order; the median counts)")
     ap.add_argument("--json", default=None, help="write every cell's results here")
+    ap.add_argument("--waves", type=int, default=1, help="requests per cell: max(batch, 3) times this")
+    ap.add_argument("--output-len", type=int, nargs=2, default=None, help="output length range (default by batch)")
     ns = ap.parse_args()
     rows, cells = [], []
     for proposer in ns.proposers:
@@ -80,7 +84,7 @@ def main() -> int:
             for batch in ns.batch_sizes:
                 with tempfile.TemporaryDirectory() as tmp:
                     out = os.path.join(tmp, "cell.json")
-                    throughput.main(cell_args(proposer, workload, batch, ns.repeat, out))
+                    throughput.main(cell_args(proposer, workload, batch, ns.repeat, out, ns.waves, ns.output_len))
                     with open(out) as f:
                         result = json.load(f)
                 on, off = result["results"][0], result["results"][1]
