@@ -125,6 +125,7 @@ class SpecDecodePolicy:
         self.proposer_cost = ProposerCostModel()
         self.engine_acceptance = Acceptance(self.k, _ENGINE_WEIGHT)
         self._probe_credit = 0.0
+        self._only_probes = False  # the last grant gave drafts to probes only
 
     def new_state(self, step_id: int) -> SpecRequestState:
         start = Acceptance(self.k, _REQUEST_WEIGHT, self.engine_acceptance)
@@ -138,6 +139,7 @@ class SpecDecodePolicy:
         """Set and return each running request's limit for the drafts proposed after this step. `samples[i]`:
         the request samples in this step (only those can be probed; the others keep their decision)."""
         k = self.k
+        self._only_probes = False
         if self.config.disable_by_batch_size is not None and len(states) > self.config.disable_by_batch_size:
             for s in states:
                 s.limit, s.probing = 0, False
@@ -154,6 +156,9 @@ class SpecDecodePolicy:
             s.limit, s.probing = n, False
             if n == 0 and samples[i] and step_id >= s.next_probe_step:
                 due.append(i)
+        # Where only probes run the proposer after this step, the step's measured proposer seconds are what they
+        # cost (with a new shape's warm-up, which the medians leave out): they are charged that, not the estimate.
+        self._only_probes = not any(limits)
         if due:
             due.sort(key=lambda i: states[i].next_probe_step)
             cost = self._probe_cost(len(states))
@@ -165,7 +170,8 @@ class SpecDecodePolicy:
                 limits[i] = 1
                 if cost is None:
                     break  # nothing measured yet: one probe per step until something is
-                self._probe_credit -= cost
+                if not self._only_probes:
+                    self._probe_credit -= cost
         return limits
 
     def num_to_verify(self, state: SpecRequestState, num_proposed: int) -> int:
@@ -237,5 +243,7 @@ class SpecDecodePolicy:
             self.step_cost.observe(num_query_tokens, step_seconds)
         self.proposer_cost.observe(pass_seconds, num_pass_requests, draft_seconds, num_draft_tokens)
         total = step_seconds + pass_seconds + draft_seconds
+        if self._only_probes:
+            self._probe_credit -= pass_seconds + draft_seconds
         # Credit for probes, capped at one step's time so that probes after a quiet spell do not come in a burst.
         self._probe_credit = min(self._probe_credit + PROBE_BUDGET * total, max(total, 0.0))

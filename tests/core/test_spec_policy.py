@@ -131,3 +131,21 @@ def test_fixed_k_and_disable_by_batch_size():
     assert fixed.grant(states, [True] * 3, 0) == [K] * 3
     capped = SpecDecodePolicy(SpeculativeConfig("ngram", K, adaptive=False, disable_by_batch_size=2))
     assert capped.grant([capped.new_state(0) for _ in range(3)], [True] * 3, 0) == [0] * 3
+
+
+def test_probes_alone_are_charged_their_measured_seconds():
+    """Where only probes run the proposer, the step's measured proposer seconds (a new shape's warm-up included,
+    which the medians leave out) come off the probe credit: a 200 ms probe pays for itself only after 200 ms / 2%
+    = 10 s of steps."""
+    policy = _measured_policy(SpeculativeConfig("ngram", K), 17.0, 0.01, 1.0)
+    bad = policy.new_state(0)
+    for _ in range(5):
+        policy.observe_verification(bad, 1, 0)
+    assert policy.grant([bad], [True], MIN_PROBE_INTERVAL) == [1]
+    policy.observe_step(1, True, 17 * MS, 200 * MS, 1, 0.0, 0)
+    bad.next_probe_step = 0  # due at every step from now on
+    granted = [policy.grant([bad], [True], step)[0] for step in range(100)]
+    for _ in range(100):
+        policy.observe_step(1, True, 17 * MS, 0.0, 0, 0.0, 0)
+    assert granted == [0] * 100
+    assert policy.grant([bad], [True], 1000) == [0]  # 100 steps of 17 ms earned 34 ms of the 200
