@@ -175,8 +175,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # n-gram: longest suffix to match (tried first)
     # Speculate only while at most this many requests run (vLLM's name); None: no limit.
     disable_by_batch_size: int | None = None
-    # The measured rule of kvserve.core.spec_policy: fewer drafts per step as the batch grows, none for
-    # requests whose drafts keep being rejected.
+    # The cost-aware policy of kvserve.core.spec_policy: per step and request, only the drafts that measured
+    # acceptance and costs say will pay (none where they do not). False: every request gets K every step.
     adaptive: bool = True
     # Resolved by EngineArgs from `model`: the draft model's (or the EAGLE head's) config.
     draft: ModelConfig | None = field(default=None, hash=False)

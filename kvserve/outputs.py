@@ -19,6 +19,20 @@ SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass
+class SpecStepTiming:
+    """What a step with a proposer cost, measured by the runner (seconds, plain numbers for the speculation
+    policy): the target's step (inputs, forward pass, logits, sampling or verification, tokens on the host),
+    the proposer's pass over the requests it drafts for (a model proposer's run over their step positions, the
+    n-gram search) and its draft steps."""
+
+    step_seconds: float
+    pass_seconds: float = 0.0
+    num_pass_requests: int = 0
+    draft_seconds: float = 0.0
+    num_draft_tokens: int = 0  # drafted in the draft steps (EAGLE's first draft comes from its pass)
+
+
+@dataclass
 class ModelRunnerOutput:
     """Lists only, no tensors. `sampled_token_ids[i]` is empty for a request whose prefill is not finished."""
 
@@ -30,6 +44,8 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None
     # The KV connector's worker side report (kvserve.kv_transfer.base.KVConnectorOutput), or None.
     kv_connector_output: Any = None
+    # Speculative decoding: the step's measured costs (None when speculation is off).
+    spec_timing: SpecStepTiming | None = None
 
 
 @dataclass

@@ -83,9 +83,9 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.has_reported = False  # whether an EngineCoreOutput went out for it yet
         # Speculative decoding: drafts the runner proposed for the next step (not part of all_token_ids), and
-        # the moving average of the fraction of drafts accepted (starts optimistic).
+        # the speculation policy's state (kvserve.core.spec_policy.SpecRequestState), set by the scheduler.
         self.spec_token_ids: list[int] = []
-        self.spec_acceptance_ema = 1.0
+        self.spec_state: Any = None
         # Async scheduling: tokens being sampled by steps in flight, not yet in all_token_ids.
         self.num_output_placeholders = 0
         # Structured outputs: the parser of its grammar (kvserve.structured_output.matcher.RequestGrammar), set by

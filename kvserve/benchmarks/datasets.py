@@ -6,6 +6,8 @@
 - long-prompt:   a few very long prompts arriving among many short requests that decode for long (chunked prefill).
 - copy:          "repeat / edit this code" chat prompts over snippets of kvserve's own source files (local text),
                  the copy-heavy case that speculative decoding with prompt lookup speeds up; needs a tokenizer.
+- chat:          short natural chat questions (explain, describe, advise, write), nothing to copy: the case where
+                 speculation must not lose; input_len is ignored (the prompts are what they are); needs a tokenizer.
 
 Prompts are token ids (offline) or the text they decode to (serving, so any OpenAI endpoint can take them).
 Random tokens come from the middle of the vocabulary, away from special tokens.
@@ -40,16 +42,16 @@ class DatasetSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-DATASETS = ("random", "shared-prefix", "multi-turn", "long-prompt", "copy")
+DATASETS = ("random", "shared-prefix", "multi-turn", "long-prompt", "copy", "chat")
 
 
 def build_dataset(spec: DatasetSpec, vocab_size: int, tokenizer=None) -> list[BenchRequest]:
     """`tokenizer` (optional) adds prompt texts for serving benchmarks."""
     rng = random.Random(spec.seed)
-    if spec.name == "copy":
+    if spec.name in ("copy", "chat"):
         if tokenizer is None:
-            raise ValueError("the copy dataset needs a tokenizer")
-        return _copy(spec, rng, tokenizer)
+            raise ValueError(f"the {spec.name} dataset needs a tokenizer")
+        return (_copy if spec.name == "copy" else _chat)(spec, rng, tokenizer)
     builders = {
         "random": _random,
         "shared-prefix": _shared_prefix,
@@ -159,4 +161,46 @@ def _copy(spec: DatasetSpec, rng: random.Random, tokenizer) -> list[BenchRequest
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
         output_len = min(rng.randint(*spec.output_len), len(ids[start : start + want]) + 8)
         requests.append(BenchRequest(prompt_ids, output_len, tag="copy", prompt_text=prompt))
+    return requests
+
+
+_CHAT_TASKS = (
+    "Explain to a beginner how {} works.",
+    "What are the main advantages and drawbacks of {}?",
+    "Write a short story that involves {}.",
+    "Give me three practical tips about {}.",
+    "Describe the history of {} in a few paragraphs.",
+    "How would you teach a child about {}?",
+    "Write a friendly email inviting a colleague to a talk about {}.",
+    "What questions should I ask before I start learning about {}?",
+)
+_CHAT_TOPICS = (
+    "a bicycle",
+    "photosynthesis",
+    "the stock market",
+    "baking bread",
+    "solar panels",
+    "a vegetable garden",
+    "public transport in a big city",
+    "learning a second language",
+    "the water cycle",
+    "a small coffee shop",
+    "volcanoes",
+    "running a marathon",
+    "the printing press",
+    "recycling plastic",
+    "a chess opening",
+    "keeping bees",
+)
+
+
+def _chat(spec: DatasetSpec, rng: random.Random, tokenizer) -> list[BenchRequest]:
+    """A question from a task template and a topic, in the model's chat template."""
+    requests = []
+    for _ in range(spec.num_requests):
+        question = rng.choice(_CHAT_TASKS).format(rng.choice(_CHAT_TOPICS))
+        messages = [{"role": "user", "content": question}]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        requests.append(BenchRequest(prompt_ids, rng.randint(*spec.output_len), tag="chat", prompt_text=prompt))
     return requests

@@ -200,7 +200,7 @@ def main(ns: argparse.Namespace) -> int:
     dtype = llm_config.model.dtype
     print(platform_line(dtype))
     vocab = llm.engine.config.model.arch.vocab_size
-    requests = build_dataset(dataset_spec(ns), vocab, llm.get_tokenizer() if ns.dataset == "copy" else None)
+    requests = build_dataset(dataset_spec(ns), vocab, llm.get_tokenizer() if ns.dataset in ("copy", "chat") else None)
     print(
         f"{ns.dataset}: {len(requests)} requests, {sum(r.prompt_len for r in requests)} prompt + "
         f"{sum(r.output_len for r in requests)} output tokens",

@@ -57,7 +57,7 @@ from kvserve.core.sched_output import CachedRequestData, NewRequestData, Schedul
 from kvserve.core.spec_policy import SpecDecodePolicy, SpecDecodingStats
 from kvserve.core.swap import SwapManager
 from kvserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
-from kvserve.outputs import EngineCoreOutput, ModelRunnerOutput
+from kvserve.outputs import EngineCoreOutput, ModelRunnerOutput, SpecStepTiming
 from kvserve.request import Request, RequestStatus
 from kvserve.utils import cdiv
 
@@ -149,6 +149,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
+        if self.spec_policy is not None:
+            request.spec_state = self.spec_policy.new_state(self._num_steps)
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -376,35 +378,30 @@ class Scheduler:
         return so
 
     def _plan_drafts(self) -> dict[str, int]:
-        """How many of its proposed drafts each decoding request verifies this step (the adaptive rule)."""
+        """How many of its proposed drafts each decoding request verifies this step: at most the limit the
+        policy granted with the last step (the proposer drafted no more than that)."""
         policy = self.spec_policy
         if policy is None:
             return {}
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        budget = policy.draft_token_budget(len(decodes))
         plan: dict[str, int] = {}
-        for request in sorted(decodes, key=lambda r: -r.spec_acceptance_ema):
-            if budget <= 0:
-                break
-            if request.spec_token_ids:
-                n = min(len(request.spec_token_ids), policy.limit(request.spec_acceptance_ema, len(decodes)), budget)
-                if request.grammar is not None:  # only drafts its grammar allows: the others would be rejected
+        for request in self.running:
+            if request.spec_token_ids and request.num_tokens - request.num_computed_tokens == 1:
+                n = policy.num_to_verify(request.spec_state, len(request.spec_token_ids))
+                if n and request.grammar is not None:  # only drafts its grammar allows: the others would be rejected
                     n = request.grammar.num_valid(request.spec_token_ids[:n])
                 plan[request.request_id] = n
-                budget -= n
         return plan
 
     def _draft_limits(self) -> dict[str, int]:
-        """The adaptive rule's limit for each running request at its acceptance EMA so far and this step's batch
-        (the step's own verification may still move the EMA: a request recovering gets its full K one step
-        later), where it is below num_speculative_tokens."""
+        """The policy's limit for each running request's drafts after this step (where below
+        num_speculative_tokens; 0 leaves it out of the proposer); called once the step's tokens are counted."""
         policy = self.spec_policy
-        if policy is None or not policy.config.adaptive:
+        if policy is None:
             return {}
-        k = policy.config.num_speculative_tokens
-        num_decodes = len(self.running)
-        limits = {r.request_id: policy.limit(r.spec_acceptance_ema, num_decodes) for r in self.running}
-        return {req_id: n for req_id, n in limits.items() if n < k}
+        samples = [r.num_computed_tokens >= r.num_tokens for r in self.running]
+        limits = policy.grant([r.spec_state for r in self.running], samples, self._num_steps)
+        k = policy.k
+        return {r.request_id: n for r, n in zip(self.running, limits, strict=True) if n < k}
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -412,6 +409,8 @@ class Scheduler:
         """Append sampled tokens, apply stop rules (max_tokens, max_model_len, EOS, stop ids), free finished."""
         if runner_output.kv_connector_output is not None:
             self._update_from_connector(runner_output.kv_connector_output)
+        if runner_output.spec_timing is not None and self.spec_policy is not None:
+            self._observe_spec_timing(scheduler_output, runner_output.spec_timing)
         outputs, self._early_outputs = self._early_outputs, []
         logprobs = runner_output.logprobs
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
@@ -558,7 +557,25 @@ class Scheduler:
     def _record_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         self.spec_stats.observe(num_drafts, num_accepted)
         assert self.spec_policy is not None
-        request.spec_acceptance_ema = self.spec_policy.update_ema(request.spec_acceptance_ema, num_drafts, num_accepted)
+        self.spec_policy.observe_verification(request.spec_state, num_drafts, num_accepted)
+
+    def _observe_spec_timing(self, scheduler_output: SchedulerOutput, timing: SpecStepTiming) -> None:
+        """Hand the runner's measured seconds to the policy; the step is decode-only when every request in it
+        computed one known token (plus its drafts)."""
+        assert self.spec_policy is not None
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        decode_only = not scheduler_output.scheduled_new_reqs and all(
+            n == 1 + len(spec.get(req_id, ())) for req_id, n in scheduler_output.num_scheduled_tokens.items()
+        )
+        self.spec_policy.observe_step(
+            scheduler_output.total_num_scheduled_tokens,
+            decode_only,
+            timing.step_seconds,
+            timing.pass_seconds,
+            timing.num_pass_requests,
+            timing.draft_seconds,
+            timing.num_draft_tokens,
+        )
 
     def _preempt(self, request: Request) -> list[tuple[int, int]]:
         """Free the request's blocks and queue it first; returns the swap-out pairs (empty: recompute)."""

@@ -1,20 +1,29 @@
-"""The scheduler's side of speculative decoding: how many of a request's drafts to verify this step, and counters.
+"""The scheduler's side of speculative decoding: how many drafts each request gets, and the counters.
 
-Verifying k drafts costs k more query tokens in the step. While a step is memory-bound (reading the weights
-dominates) those tokens are nearly free, but past some number of tokens per step the forward becomes
-compute-bound and every draft token costs its share; a rejected one is then pure loss. The adaptive rule
-(measured on this CPU with scripts/measure_step_cost.py, figures in docs/benchmarks.md):
+The cost-aware policy (`adaptive`, the default) decides per step and per request how many drafts k (0..K) to
+propose and verify, from three measured things (core/spec_cost.py):
 
-* the measured step cost is about b * (STEP_OVERHEAD_TOKENS + T) for T query tokens: a fixed part, then a near
-  constant cost per query token, drafts or decodes alike (docs/benchmarks.md, "step cost"). With R
-  decodes a draft token costs b and earns its acceptance probability times the step's cost per emitted token,
-  b * (STEP_OVERHEAD_TOKENS + R) / R, so it pays only while the request's acceptance EMA exceeds
-  `break_even_acceptance(R)` = R / (STEP_OVERHEAD_TOKENS + R): 0.05 at R = 1, 0.44 at 16, 0.76 at 64;
-* a request under that (or under `MIN_ACCEPTANCE`) gets a single draft token as a probe, so it can recover when
-  its text becomes predictable again, but only while probes are cheap (at most `PROBE_MAX_DECODES` decodes);
-* a step verifies at most `draft_token_budget(num_decodes)` draft tokens in all: `FLAT_STEP_TOKENS` minus the
-  decodes (a cap against long verification steps; from `FLAT_STEP_TOKENS` decodes on, no drafts at all);
-* the budget goes to requests in order of their acceptance EMA, best first.
+* the request's acceptance: a moving average per draft position i of "draft i accepted, given drafts before it
+  were" (positions not yet observed take the last observed one's value). A new request starts from the
+  engine-wide average of every request's (PRIOR_ACCEPTANCE before any);
+* the proposer's cost: seconds per request it runs over (a model proposer's pass over the step's tokens, which
+  for EAGLE gives the first draft; the n-gram search) and per draft token of its draft steps;
+* the target's step cost against its query tokens, from decode-only steps.
+
+Each step the running requests are taken in order of first-position acceptance, best first; each gets the k
+that maximises its expected tokens per second (`best_num_drafts`), with its verification charged at the step's
+size so far (f(T + k) - f(T), T = decodes + drafts already given). k = 0 leaves the request out of the
+proposer altogether (a model proposer catches up on its KV when the request is given drafts again: see
+spec_decode/model_proposer.py), so a proposer that does not pay costs (almost) nothing.
+
+Exploration: a request at k = 0 is probed with one draft once its probe interval has passed (8 steps, doubling
+after each failed probe up to 256, back to 8 after an accepted one), so that one whose text becomes predictable
+is tried again. Probes are paid from a credit that grows by `PROBE_BUDGET` of every step's measured time and
+that each probe spends its estimated cost from, so exploration costs at most about that share of throughput.
+
+The limit the scheduler sends with step N (`SchedulerOutput.spec_draft_limits`) is what the proposer drafts
+after N, and what step N + 1 verifies at most: the decision is made once, with the acceptance known when N is
+scheduled. With `adaptive` off every request gets K every step (tests that need a fixed K).
 """
 
 from __future__ import annotations
@@ -22,14 +31,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.config import SpeculativeConfig
+from kvserve.core.spec_cost import ProposerCostModel, StepCostModel, best_num_drafts
 
-# Most query tokens (decodes + drafts) in a step that verifies drafts (see the module docstring).
-FLAT_STEP_TOKENS = 32
-# The fixed part of a step's cost in units of one query token's cost (docs/benchmarks.md, step cost).
-STEP_OVERHEAD_TOKENS = 20
-PROBE_MAX_DECODES = 4
-MIN_ACCEPTANCE = 0.2
-_EMA_WEIGHT = 0.3  # weight of the newest step in a request's acceptance EMA
+# Speculate only where expected tokens per second beat a plain step's by this factor (noise in the costs).
+MARGIN = 0.05
+# Share of the measured step time that probes of requests at k = 0 may cost, on average.
+PROBE_BUDGET = 0.02
+MIN_PROBE_INTERVAL = 8
+# What a request is assumed to accept at each position before anything is observed.
+PRIOR_ACCEPTANCE = 0.5
+MAX_PROBE_INTERVAL = 256
+_REQUEST_WEIGHT = 0.3  # weight of the newest verification in a request's acceptance
+_ENGINE_WEIGHT = 0.05  # ... in the engine-wide acceptance that new requests start from
 
 
 @dataclass
@@ -61,34 +74,176 @@ class SpecDecodingStats:
             per_pos[i] += 1
 
 
+class Acceptance:
+    """Moving averages of per-position acceptance, starting from a prior (PRIOR_ACCEPTANCE, or the engine-wide
+    estimate); a position reached for the first time starts from the last observed position's value."""
+
+    __slots__ = ("values", "num_observed", "weight")
+
+    def __init__(self, k: int, weight: float, start: Acceptance | None = None) -> None:
+        self.weight = weight
+        self.values = start.effective(k) if start is not None else [PRIOR_ACCEPTANCE] * k
+        self.num_observed = start.num_observed if start is not None else 0
+
+    def effective(self, k: int) -> list[float]:
+        n = self.num_observed
+        if n == 0 or n >= k:
+            return list(self.values[:k])
+        return self.values[:n] + [self.values[n - 1]] * (k - n)
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """Drafts 1..num_accepted were accepted; draft num_accepted + 1 (if any) was rejected; later ones were
+        never reached."""
+        reached = min(num_drafts, num_accepted + 1)
+        for i in range(reached):
+            hit = 1.0 if i < num_accepted else 0.0
+            if 0 < self.num_observed <= i:
+                self.values[i] = self.values[self.num_observed - 1]
+            self.values[i] = (1 - self.weight) * self.values[i] + self.weight * hit
+        self.num_observed = max(self.num_observed, reached)
+
+
+@dataclass
+class SpecRequestState:
+    """The policy's per-request state (kept on the scheduler's Request)."""
+
+    acceptance: Acceptance
+    next_probe_step: int
+    probe_interval: int = MIN_PROBE_INTERVAL
+    limit: int = 0  # drafts granted with the last step: the proposer drafts this many, the next step verifies them
+    probing: bool = False  # `limit` is a probe
+    verifying_probe: bool = False  # the drafts the step verifies are a probe
+
+
 class SpecDecodePolicy:
-    """Decides each step how many of each request's proposed drafts are verified."""
+    """Decides each step how many drafts each request gets (see the module docstring)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        self.k = config.num_speculative_tokens
+        self.step_cost = StepCostModel()
+        self.proposer_cost = ProposerCostModel()
+        self.engine_acceptance = Acceptance(self.k, _ENGINE_WEIGHT)
+        self._probe_credit = 0.0
+        self._only_probes = False  # the last grant gave drafts to probes only
 
-    def draft_token_budget(self, num_decodes: int) -> int:
-        config = self.config
-        if config.disable_by_batch_size is not None and num_decodes > config.disable_by_batch_size:
-            return 0
-        if not config.adaptive:
-            return num_decodes * config.num_speculative_tokens
-        return max(0, FLAT_STEP_TOKENS - num_decodes)
+    def new_state(self, step_id: int) -> SpecRequestState:
+        start = Acceptance(self.k, _REQUEST_WEIGHT, self.engine_acceptance)
+        # Nothing measured yet: probe at the first chance (only probes measure); else after the usual interval.
+        first_probe = step_id if not self.proposer_cost.measured else step_id + MIN_PROBE_INTERVAL
+        return SpecRequestState(start, first_probe)
 
-    def limit(self, acceptance_ema: float, num_decodes: int = 1) -> int:
-        """Most drafts for a request with this acceptance EMA in a step of `num_decodes` decodes (before the step
-        budget)."""
+    # ------------------------------------------------------------------ decisions
+
+    def grant(self, states: list[SpecRequestState], samples: list[bool], step_id: int) -> list[int]:
+        """Set and return each running request's limit for the drafts proposed after this step. `samples[i]`:
+        the request samples in this step (only those can be probed; the others keep their decision)."""
+        k = self.k
+        self._only_probes = False
+        if self.config.disable_by_batch_size is not None and len(states) > self.config.disable_by_batch_size:
+            for s in states:
+                s.limit, s.probing = 0, False
+            return [0] * len(states)
         if not self.config.adaptive:
-            return self.config.num_speculative_tokens
-        if acceptance_ema >= max(MIN_ACCEPTANCE, break_even_acceptance(num_decodes)):
-            return self.config.num_speculative_tokens
-        return 1 if num_decodes <= PROBE_MAX_DECODES else 0
+            for s in states:
+                s.limit, s.probing = k, False
+            return [k] * len(states)
+        limits = self.decide([s.acceptance.effective(k) for s in states], len(states))
+        due = []
+        for i, (s, n) in enumerate(zip(states, limits, strict=True)):
+            if n == 0 and s.limit > 0 and not s.probing:  # left out from now on: its first probe an interval later
+                s.next_probe_step = step_id + s.probe_interval
+            s.limit, s.probing = n, False
+            if n == 0 and samples[i] and step_id >= s.next_probe_step:
+                due.append(i)
+        # Where only probes run the proposer after this step, the step's measured proposer seconds are what they
+        # cost (with a new shape's warm-up, which the medians leave out): they are charged that, not the estimate.
+        self._only_probes = not any(limits)
+        if due:
+            due.sort(key=lambda i: states[i].next_probe_step)
+            cost = self._probe_cost(len(states))
+            for i in due:
+                if self._probe_credit < 0:
+                    break
+                states[i].limit, states[i].probing = 1, True
+                states[i].next_probe_step = step_id + states[i].probe_interval
+                limits[i] = 1
+                if cost is None:
+                    break  # nothing measured yet: one probe per step until something is
+                if not self._only_probes:
+                    self._probe_credit -= cost
+        return limits
 
-    @staticmethod
-    def update_ema(ema: float, num_draft_tokens: int, num_accepted: int) -> float:
-        return (1 - _EMA_WEIGHT) * ema + _EMA_WEIGHT * (num_accepted / num_draft_tokens)
+    def num_to_verify(self, state: SpecRequestState, num_proposed: int) -> int:
+        """How many of the drafts proposed after the last step this step verifies: at most the limit granted."""
+        n = min(num_proposed, state.limit)
+        state.verifying_probe = state.probing and n > 0
+        return n
 
+    def decide(self, acceptance: list[list[float]], num_decodes: int) -> list[int]:
+        """Drafts for each of `num_decodes` requests (acceptance[i]: request i's per-position estimate), best
+        acceptance first, each charged the verification cost at the step's size so far. 0 for all while the
+        costs are not measured yet."""
+        plain = self.step_cost.seconds(num_decodes)
+        out = [0] * len(acceptance)
+        if plain is None or not self.proposer_cost.measured or not acceptance:
+            return out
+        share = plain / num_decodes
+        proposer = [self.proposer_cost.seconds(n) or 0.0 for n in range(self.k + 1)]
+        num_tokens = num_decodes
+        order = sorted(range(len(acceptance)), key=lambda i: -acceptance[i][0])
+        for i in order:
+            acc = acceptance[i]
+            if acc[0] <= 0.0:
+                break  # sorted: nobody after it can gain anything
+            base = self.step_cost.seconds(num_tokens)
+            assert base is not None
+            extra = []
+            for n in range(1, self.k + 1):
+                more = self.step_cost.seconds(num_tokens + n)
+                assert more is not None
+                extra.append(max(0.0, more - base) + proposer[n])
+            n = best_num_drafts(acc, share, extra, MARGIN)
+            out[i] = n
+            num_tokens += n
+        return out
 
-def break_even_acceptance(num_decodes: int) -> float:
-    """The acceptance rate at which a draft token's expected gain equals its cost, with this many decodes."""
-    return num_decodes / (STEP_OVERHEAD_TOKENS + num_decodes)
+    def _probe_cost(self, num_decodes: int) -> float | None:
+        """The estimated cost of one probe: the proposer's pass (twice: it also catches up on the positions
+        skipped while the request was left out), one draft, one more token to verify; None before measured."""
+        verify = self.step_cost.extra_seconds(num_decodes, 1)
+        propose = self.proposer_cost.seconds(1)
+        if verify is None or propose is None:
+            return None
+        return verify + propose + (self.proposer_cost.per_request.value or 0.0)
+
+    # ------------------------------------------------------------------ measurements
+
+    def observe_verification(self, state: SpecRequestState, num_drafts: int, num_accepted: int) -> None:
+        """A step verified `num_drafts` of the request's drafts and accepted the first `num_accepted`."""
+        state.acceptance.observe(num_drafts, num_accepted)
+        self.engine_acceptance.observe(num_drafts, num_accepted)
+        if state.verifying_probe:
+            state.verifying_probe = False
+            accepted = num_accepted == num_drafts
+            state.probe_interval = MIN_PROBE_INTERVAL if accepted else min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
+
+    def observe_step(
+        self,
+        num_query_tokens: int,
+        decode_only: bool,
+        step_seconds: float,
+        pass_seconds: float,
+        num_pass_requests: int,
+        draft_seconds: float,
+        num_draft_tokens: int,
+    ) -> None:
+        """A step's measured seconds (the runner's: target step, proposer pass, proposer draft steps)."""
+        if decode_only:
+            self.step_cost.observe(num_query_tokens, step_seconds)
+        self.proposer_cost.observe(pass_seconds, num_pass_requests, draft_seconds, num_draft_tokens)
+        total = step_seconds + pass_seconds + draft_seconds
+        if self._only_probes:
+            self._probe_credit -= pass_seconds + draft_seconds
+        # Credit for probes, capped at one step's time so that probes after a quiet spell do not come in a burst.
+        self._probe_credit = min(self._probe_credit + PROBE_BUDGET * total, max(total, 0.0))

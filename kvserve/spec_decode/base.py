@@ -36,7 +36,10 @@ class DraftStepInputs:
     attn_metadata: object  # the target backend's metadata for attn_inputs (None after a replayed CUDA graph)
     hidden: torch.Tensor  # [T, hidden] the target's last hidden states (pre final norm)
     sample_idx: np.ndarray  # [S] indices into the step's requests that emitted tokens this step
-    max_drafts: np.ndarray  # [S] most drafts worth proposing for each (0..K: the scheduler's adaptive limit)
+    max_drafts: np.ndarray  # [S] most drafts worth proposing for each (0..K: the speculation policy's limit)
+    # [R] per step request: the policy gives it drafts (limit > 0). A model proposer runs over the others' positions
+    # only once they are given drafts again (it catches up then); None: all of them.
+    awake: np.ndarray | None = None
 
 
 @dataclass
@@ -45,6 +48,11 @@ class DraftProposal:
     # [S] per sampling request its q [k_i, V] fp32, or None where the request is greedy (one-hot q) or the
     # proposer draws no distribution (n-gram).
     probs: list[torch.Tensor | None]
+    # What it cost, for the speculation policy: requests the proposer's pass ran over (the rest of the call's
+    # time is the pass's), and the seconds and tokens of its draft steps.
+    num_pass_requests: int = 0
+    draft_seconds: float = 0.0
+    num_draft_tokens: int = 0
 
 
 class Proposer(ABC):

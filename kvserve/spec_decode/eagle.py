@@ -136,6 +136,8 @@ class EagleProposer(ModelProposer):
             device,
         )
 
+    reads_target_hidden = True
+
     @property
     def mirror_gives_first_draft(self) -> bool:
         return True

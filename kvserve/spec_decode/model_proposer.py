@@ -28,6 +28,7 @@ noise key is independent of the target's keys for the same position: a seeded re
 
 from __future__ import annotations
 
+import time
 from abc import abstractmethod
 
 import numpy as np
@@ -42,6 +43,8 @@ from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from kvserve.worker.sampling_inputs import build_sampling_metadata
 
 _KEY_RANGE = 1 << 62
+# Most positions a request left out of the pass catches up on when it is given drafts again (probes stay cheap).
+CATCH_UP_WINDOW = 64
 
 
 class ModelProposer(Proposer):
@@ -76,6 +79,10 @@ class ModelProposer(Proposer):
         self._kv_caches: list[KVCache] = []  # allocate_kv_cache, once the target's pool is sized
         # q of each request's pending drafts, until the step that verifies them (or the request leaves).
         self._pending: dict[str, tuple[list[int], torch.Tensor]] = {}
+        # Requests left out of the pass: their first position without draft KV, and (reads_target_hidden) the
+        # target's hidden rows of the positions since, to catch up on when they are given drafts again.
+        self._behind: dict[str, int] = {}
+        self._skipped_hidden: dict[str, list[torch.Tensor]] = {}
 
     def bytes_per_block(self) -> int:
         """What one block of the proposer's pool takes: the target's KV budget pays for both pools."""
@@ -111,6 +118,10 @@ class ModelProposer(Proposer):
         """One draft step of single-token queries: token_ids [A] at positions [A] -> (logits [A, V] fp32,
         features [A, ...] for the next step or None)."""
 
+    # True when `mirror` reads the target's hidden states of the positions (EAGLE): the proposer then keeps them
+    # for the positions it skips, to catch up on later.
+    reads_target_hidden: bool = False
+
     @property
     @abstractmethod
     def mirror_gives_first_draft(self) -> bool:
@@ -121,6 +132,29 @@ class ModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, step: DraftStepInputs) -> DraftProposal:
+        """Drafts for `step.sample_idx`; requests the policy leaves out (`step.awake` false) get none, and the
+        pass skips their positions (remembered, and caught up on when they are given drafts again)."""
+        num_sampled = len(step.sample_idx)
+        if step.awake is not None and not step.awake.all():
+            self._remember_skipped(step)
+        sub, kept = self._awake_step(step)
+        if sub is None:
+            for i in step.sample_idx.tolist():
+                self._pending.pop(step.states[i].req_id, None)
+            return DraftProposal([[] for _ in range(num_sampled)], [None] * num_sampled)
+        proposal = self._propose(sub)
+        if kept is None:
+            return proposal
+        drafts: list[list[int]] = [[] for _ in range(num_sampled)]
+        probs: list[torch.Tensor | None] = [None] * num_sampled
+        for j, i in enumerate(kept.tolist()):
+            drafts[i], probs[i] = proposal.drafts[j], proposal.probs[j]
+        for i in np.setdiff1d(np.arange(num_sampled), kept).tolist():
+            self._pending.pop(step.states[int(step.sample_idx[i])].req_id, None)
+        proposal.drafts, proposal.probs = drafts, probs
+        return proposal
+
+    def _propose(self, step: DraftStepInputs) -> DraftProposal:
         batch = step.batch
         idx = step.sample_idx
         rows = step.rows[idx]
@@ -133,6 +167,8 @@ class ModelProposer(Proposer):
         capacity = np.minimum(batch.num_blocks[rows] * self.block_size, self.max_model_len)
 
         logits, features = self.mirror(step, last_rows)
+        if not num_s:
+            return DraftProposal([], [], num_pass_requests=len(step.rows))
         sampling = _DraftSampling(states, batch, self.vocab_size, self.generator, self.device)
         drafts = np.zeros((num_s, self.k), dtype=np.int64)
         num_drafts = np.zeros(num_s, dtype=np.int64)
@@ -152,6 +188,8 @@ class ModelProposer(Proposer):
         else:
             tokens = self.to_device(batch.token_ids[rows[active], next_pos[active]])
         pos = next_pos
+        draft_started = time.perf_counter()
+        num_before = int(num_drafts.sum())
         while len(active):
             # Only requests with a KV slot for this position take part; positions only grow, so a request
             # that drops out stays out.
@@ -175,6 +213,8 @@ class ModelProposer(Proposer):
                 active, tokens = active[done], tokens[kept]
                 features = None if features is None else features[kept]
 
+        draft_seconds = time.perf_counter() - draft_started
+        num_loop_tokens = int(num_drafts.sum()) - num_before
         out_drafts = [drafts[i, : num_drafts[i]].tolist() for i in range(num_s)]
         out_probs: list[torch.Tensor | None] = [
             None if probs is None or sampling.greedy[i] else probs[i, : num_drafts[i]] for i in range(num_s)
@@ -184,7 +224,114 @@ class ModelProposer(Proposer):
                 self._pending.pop(state.req_id, None)
             else:
                 self._pending[state.req_id] = (d, q)
-        return DraftProposal(out_drafts, out_probs)
+        return DraftProposal(out_drafts, out_probs, len(step.rows), draft_seconds, num_loop_tokens)
+
+    # ------------------------------------------------------------------ requests left out, and catching up
+
+    def _remember_skipped(self, step: DraftStepInputs) -> None:
+        """For each request the pass skips this step: where its unmirrored positions begin, and (for a proposer
+        that reads the target's hidden states) the hidden rows of the positions it computed, up to its last
+        accepted one (positions past it are computed again later)."""
+        assert step.awake is not None
+        batch, qsl = step.batch, step.query_start_loc
+        for i in np.flatnonzero(~step.awake).tolist():
+            req_id = step.states[i].req_id
+            start = int(step.positions[qsl[i]])
+            end = int(batch.num_computed_tokens[step.rows[i]])
+            if end <= start:
+                continue
+            first = self._behind.setdefault(req_id, start)
+            if self.reads_target_hidden:
+                rows = self._skipped_hidden.setdefault(req_id, [])
+                rows.append(step.hidden[int(qsl[i]) : int(qsl[i]) + end - start].clone())
+                held = sum(len(r) for r in rows)
+                while held - len(rows[0]) >= CATCH_UP_WINDOW:  # only the last window is ever caught up on
+                    held -= len(rows[0])
+                    first += len(rows.pop(0))
+                self._behind[req_id] = first
+
+    def _awake_step(self, step: DraftStepInputs) -> tuple[DraftStepInputs | None, np.ndarray | None]:
+        """The step restricted to the requests given drafts, each starting at its first position not mirrored
+        (at most CATCH_UP_WINDOW back: older ones keep stale draft KV, which costs acceptance, not
+        correctness), and which of `step.sample_idx` it keeps (None: all, and `step` itself is returned)."""
+        awake = step.awake
+        reqs = [s.req_id for s in step.states]
+        if (awake is None or awake.all()) and not any(r in self._behind for r in reqs):
+            return step, None
+        sel = np.arange(len(reqs)) if awake is None else np.flatnonzero(awake)
+        if not len(sel):
+            return None, None
+        qsl = step.query_start_loc
+        starts = step.positions[qsl[:-1][sel]].astype(np.int64)
+        ends = starts + np.diff(qsl)[sel]
+        firsts = starts.copy()
+        caught_hidden: dict[int, torch.Tensor] = {}  # step request index -> hidden rows of its caught-up positions
+        for j, i in enumerate(sel.tolist()):
+            first = self._behind.pop(reqs[i], None)
+            skipped = self._skipped_hidden.pop(reqs[i], None)
+            if first is None:
+                continue
+            first = max(first, int(starts[j]) - CATCH_UP_WINDOW)
+            firsts[j] = first
+            if self.reads_target_hidden:
+                assert skipped is not None
+                rows_h = torch.cat(skipped)
+                assert len(rows_h) >= int(starts[j]) - first, "skipped positions are contiguous"
+                caught_hidden[i] = rows_h[len(rows_h) - (int(starts[j]) - first) :]
+        # Requests with one query token ("decodes") come first in attention inputs.
+        lens = ends - firsts
+        order = np.argsort(lens > 1, kind="stable")
+        sel, starts, ends, firsts, lens = sel[order], starts[order], ends[order], firsts[order], lens[order]
+        batch = step.batch
+        rows = step.rows[sel]
+        token_rows = np.repeat(rows, lens)
+        new_qsl = np.zeros(len(sel) + 1, dtype=np.int64)
+        np.cumsum(lens, out=new_qsl[1:])
+        positions = np.repeat(firsts, lens) + (np.arange(int(new_qsl[-1])) - np.repeat(new_qsl[:-1], lens))
+        input_ids = batch.token_ids[token_rows, positions].astype(step.input_ids.dtype)
+        # This step's own positions keep the step's inputs (its drafts there, since overwritten in the rows).
+        own = positions >= np.repeat(starts, lens)
+        src = np.repeat(qsl[:-1][sel] - starts, lens) + positions
+        input_ids[own] = step.input_ids[src[own]]
+        hidden = step.hidden[:0]
+        if self.reads_target_hidden:
+            pieces = []
+            for i in sel.tolist():
+                if i in caught_hidden:
+                    pieces.append(caught_hidden[i])
+                pieces.append(step.hidden[int(qsl[i]) : int(qsl[i + 1])])
+            hidden = torch.cat(pieces)
+        block_table = step.attn_inputs.block_table[sel]
+        row_of_token = np.repeat(np.arange(len(sel)), lens)
+        slot_mapping = (
+            block_table[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
+            + positions % self.block_size
+        )
+        attn_inputs = AttentionInputs(
+            num_decodes=int((lens == 1).sum()),
+            query_start_loc=new_qsl,
+            seq_lens=ends,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            block_size=self.block_size,
+        )
+        where = {int(i): j for j, i in enumerate(sel.tolist())}
+        kept = np.array([j for j, i in enumerate(step.sample_idx.tolist()) if i in where], dtype=np.int64)
+        sub = DraftStepInputs(
+            batch,
+            [step.states[i] for i in sel.tolist()],
+            rows,
+            input_ids,
+            positions,
+            new_qsl,
+            attn_inputs,
+            None,
+            hidden,
+            np.array([where[int(step.sample_idx[j])] for j in kept.tolist()], dtype=np.int64),
+            step.max_drafts[kept],
+            None,
+        )
+        return sub, kept
 
     def draft_probs(self, req_ids: list[str], draft_ids: np.ndarray, num_drafts: np.ndarray) -> torch.Tensor | None:
         """[S, K, V] q of the drafts being verified (rows of greedy requests zero), or None when all are greedy.
@@ -205,6 +352,8 @@ class ModelProposer(Proposer):
 
     def forget(self, req_id: str) -> None:
         self._pending.pop(req_id, None)
+        self._behind.pop(req_id, None)
+        self._skipped_hidden.pop(req_id, None)
 
     # ------------------------------------------------------------------ helpers
 

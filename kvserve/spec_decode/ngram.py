@@ -25,7 +25,7 @@ class NgramProposer(Proposer):
     def propose(self, step: DraftStepInputs) -> DraftProposal:
         rows = step.rows[step.sample_idx]
         drafts = self.propose_rows(step.batch.token_ids, step.batch.num_tokens, rows)
-        return DraftProposal(drafts, [None] * len(drafts))
+        return DraftProposal(drafts, [None] * len(drafts), num_pass_requests=len(rows))
 
     def propose_rows(self, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray) -> list[list[int]]:
         """`token_ids` [max_reqs, max_len] holds every request's known tokens (prompt + output) in its row, the

@@ -39,7 +39,6 @@ from kvserve.attention.selector import get_attn_backend
 from kvserve.attention.spec import AttentionSpec
 from kvserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.sched_output import SchedulerOutput
-from kvserve.core.spec_policy import SpecDecodePolicy
 from kvserve.device_copy import to_device
 from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.distributed.sharding import head_slice
@@ -47,13 +46,13 @@ from kvserve.kv_cache_spec import KVCacheSpec
 from kvserve.layers.batch_invariant import resolve_deterministic
 from kvserve.layers.quant.apply import model_weight_bytes
 from kvserve.loader.model_loader import load_model
-from kvserve.outputs import ModelRunnerOutput
+from kvserve.outputs import ModelRunnerOutput, SpecStepTiming
 from kvserve.platform import startup_summary
 from kvserve.profiling import StepTimer
 from kvserve.sample.bitmask import apply_grammar_bitmask
 from kvserve.sample.rejection_sampler import DraftInputs, RejectionSampler
 from kvserve.sample.sampler import Sampler, SamplerOutput
-from kvserve.spec_decode.base import DraftStepInputs, Proposer
+from kvserve.spec_decode.base import DraftProposal, DraftStepInputs, Proposer
 from kvserve.spec_decode.build import build_proposer
 from kvserve.utils import cdiv
 from kvserve.worker.cuda_graph import DecodeGraphRunner, capture_sizes
@@ -90,6 +89,7 @@ class _Launched:
     host: torch.Tensor | None  # `tokens` on the host once `ready` has passed
     ready: torch.cuda.Event | None
     out: SamplerOutput | None  # for the logprobs
+    started: float = 0.0  # perf_counter() when execute_model began the step
 
 
 class ModelRunner:
@@ -131,7 +131,6 @@ class ModelRunner:
         # Built before the pool is sized: a draft model's weights then count in a GPU memory profile, and its own
         # KV pool (the target's block count, allocated with the target's) in the bytes each block costs.
         self.proposer: Proposer | None = None
-        self.spec_policy: SpecDecodePolicy | None = None
         if spec_config is not None:
             self.proposer = build_proposer(
                 spec_config,
@@ -143,7 +142,6 @@ class ModelRunner:
                 self.generator,
                 self.device,
             )
-            self.spec_policy = SpecDecodePolicy(spec_config)
         self._kv_transfer_config = kv_transfer_config
         self.kv_io: KVIO | None = None  # with the KV cache (initialize_kv_cache)
         self.num_blocks = 0
@@ -369,6 +367,7 @@ class ModelRunner:
         step launched before it (None when there was none). An empty `so` computes nothing: it still moves KV
         (swaps, connector loads and saves) and, async, returns the step in flight."""
         assert self.kv_io is not None, "initialize_kv_cache comes first"
+        started = time.perf_counter()
         with self.timer.phase("prepare_inputs"):
             step = self._begin(so)
         if step is None:
@@ -384,6 +383,7 @@ class ModelRunner:
         previous = self._finish(self._in_flight_take())
         with self.timer.phase("sample"):
             launched = self._launch_sample(so, step, hidden, logits, num_logits)
+        launched.started = started
         if self.async_scheduling:
             self._in_flight = launched
             return previous
@@ -495,16 +495,32 @@ class ModelRunner:
         if launched.host is not None:
             with self.timer.phase("sample"):
                 self._write_tokens(launched, sampled_lists, logprobs_lists)
-        spec_token_ids = None
+        spec_token_ids, spec_timing = None, None
         if self.proposer is not None:
+            # NOTE: the policy's cost model wants this step's own seconds; on a GPU the tokens are on the host
+            # by now, so the wall time covers the device's work too (spec decoding runs synchronous steps only).
+            step_seconds = time.perf_counter() - launched.started
+            started = time.perf_counter()
             with self.timer.phase("propose"):
-                spec_token_ids = self._propose(step, launched.hidden, launched.so.spec_draft_limits)
+                spec_token_ids, proposal = self._propose(step, launched.hidden, launched.so.spec_draft_limits)
+            propose_seconds = time.perf_counter() - started
+            spec_timing = SpecStepTiming(step_seconds)
+            if proposal is not None:
+                spec_timing.pass_seconds = max(0.0, propose_seconds - proposal.draft_seconds)
+                spec_timing.num_pass_requests = proposal.num_pass_requests
+                spec_timing.draft_seconds = proposal.draft_seconds
+                spec_timing.num_draft_tokens = proposal.num_draft_tokens
         # After the proposer: its mirror pass writes the draft's KV of this step's positions, which a connector
         # saves with the target's.
         kv_connector_output = self.kv_io.after_forward(launched.so)
         has_logprobs = any(x is not None for x in logprobs_lists)
         return ModelRunnerOutput(
-            step.req_ids, sampled_lists, logprobs_lists if has_logprobs else None, spec_token_ids, kv_connector_output
+            step.req_ids,
+            sampled_lists,
+            logprobs_lists if has_logprobs else None,
+            spec_token_ids,
+            kv_connector_output,
+            spec_timing,
         )
 
     def _write_tokens(self, launched: _Launched, sampled_lists: list, logprobs_lists: list) -> None:
@@ -569,18 +585,23 @@ class ModelRunner:
         assert so.grammar_bitmask is not None
         apply_grammar_bitmask(logits, rows, used, so.grammar_bitmask, so.grammar_bitmask_words)
 
-    def _propose(self, step: StepInputs, hidden: torch.Tensor, limits: dict[str, int]) -> list[list[int]]:
+    def _propose(
+        self, step: StepInputs, hidden: torch.Tensor, limits: dict[str, int]
+    ) -> tuple[list[list[int]], DraftProposal | None]:
+        """Drafts for the step's sampling requests, each at most its limit (absent: K); a request at 0 is left out
+        of the proposer (a model proposer still sees it, to catch up later). Also the proposal (its costs)."""
         proposer = self.proposer
-        assert proposer is not None and self.spec_policy is not None
+        assert proposer is not None
         drafts: list[list[int]] = [[] for _ in step.req_ids]
-        if not proposer.runs_model and not len(step.sample_idx):
-            return drafts
+        k = proposer.k
+        awake = np.array([limits.get(req_id, k) > 0 for req_id in step.req_ids], dtype=bool)
         drafted_idx = step.sample_idx
-        # A model proposer runs even when no request samples (its KV must cover every position the target
-        # computed), but drafts only when the scheduler's rule will verify drafts at this batch size.
-        if proposer.runs_model and self.spec_policy.draft_token_budget(len(step.sample_idx)) <= 0:
-            drafted_idx = step.sample_idx[:0]
-        max_drafts = np.array([limits.get(step.req_ids[i], proposer.k) for i in drafted_idx.tolist()], dtype=np.int64)
+        if not proposer.runs_model:
+            # The n-gram proposer keeps no state: it searches for the requests given drafts only.
+            drafted_idx = drafted_idx[awake[drafted_idx]]
+            if not len(drafted_idx):
+                return drafts, None
+        max_drafts = np.array([limits.get(step.req_ids[i], k) for i in drafted_idx.tolist()], dtype=np.int64)
         proposal = proposer.propose(
             DraftStepInputs(
                 self.batch,
@@ -594,11 +615,12 @@ class ModelRunner:
                 hidden,
                 drafted_idx,
                 max_drafts,
+                awake,
             )
         )
         for i, d in zip(drafted_idx.tolist(), proposal.drafts, strict=True):
             drafts[i] = d
-        return drafts
+        return drafts, proposal
 
     def _forget(self, req_id: str) -> None:
         self.batch.remove(req_id)

@@ -1,6 +1,6 @@
 """Scheduler with speculative decoding, against a fake runner that verifies drafts exactly: drafts in the token
 budget and KV slots, computed count rolled back by the rejected ones, only accepted tokens hashed, stops
-inside the accepted run, preemption and abort, and the adaptive draft budget."""
+inside the accepted run, preemption and abort, and the limits of the speculation policy."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.hashing import extend_block_hashes
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
-from kvserve.core.spec_policy import FLAT_STEP_TOKENS, SpecDecodePolicy
-from kvserve.outputs import ModelRunnerOutput
+from kvserve.outputs import ModelRunnerOutput, SpecStepTiming
 from kvserve.request import RequestStatus
 from tests.core.helpers import assert_no_leak, make_request, next_token, reference_output
 
@@ -186,33 +185,28 @@ def test_preemption_and_abort_with_drafts():
     assert_no_leak(s2)
 
 
-def test_adaptive_budget_shrinks_with_the_batch_and_probes_bad_requests():
-    policy = SpecDecodePolicy(SpeculativeConfig("ngram", K))
-    assert policy.draft_token_budget(1) == FLAT_STEP_TOKENS - 1
-    assert policy.draft_token_budget(FLAT_STEP_TOKENS) == 0
-    assert policy.draft_token_budget(64) == 0
-    assert policy.limit(0.9) == K and policy.limit(0.05) == 1
-    # Break-even acceptance 16 / (20 + 16) = 0.44 at 16 decodes; no probes past 4 decodes.
-    assert policy.limit(0.5, 16) == K and policy.limit(0.4, 16) == 0 and policy.limit(0.1, 4) == 1
-    off = SpecDecodePolicy(SpeculativeConfig("ngram", K, disable_by_batch_size=4))
-    assert off.draft_token_budget(4) > 0 and off.draft_token_budget(5) == 0
-
-
-def test_draft_limits_tell_the_proposer_what_the_adaptive_rule_will_verify():
-    """Requests whose acceptance EMA earns fewer than K drafts are named with their limit (a probe of 1 at a small
-    batch), so a model proposer does not compute drafts that will not be verified; without the adaptive rule,
-    nothing is named."""
+def test_draft_limits_tell_the_proposer_what_the_policy_will_verify():
+    """Before anything is measured the cost-aware policy gives no request drafts but probes one (a limit of 1),
+    and verifies no more than it granted; once steps are timed, a request whose drafts are accepted gets K.
+    Without the policy (adaptive off) nothing is named: every request gets K."""
     s = make_spec_scheduler(adaptive=True)
-    good, bad = make_request("good", list(range(1, 9))), make_request("bad", list(range(2, 10)))
-    for r in (good, bad):
+    good, other = make_request("good", list(range(1, 9))), make_request("other", list(range(2, 10)))
+    for r in (good, other):
         s.add_request(r)
     so = s.schedule()
-    assert so.spec_draft_limits == {}  # a new request's EMA starts at 1
+    assert so.spec_draft_limits == {"good": 1, "other": 0}  # one probe per step while nothing is measured
     runner = SpecFakeRunner()
-    s.update_from_output(so, runner.execute(so))
-    bad.spec_acceptance_ema = 0.05
-    so = s.schedule()
-    assert so.spec_draft_limits == {"bad": 1}
+    limits: dict[str, int] = {}
+    for _ in range(12):
+        out = runner.execute(so)
+        # Flat step costs and a free proposer: drafts that are accepted pay.
+        out.spec_timing = SpecStepTiming(0.01 + 0.0001 * so.total_num_scheduled_tokens, 0.0001, 2)
+        s.update_from_output(so, out)
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            assert len(drafts) <= limits.get(req_id, K)
+        limits = dict(so.spec_draft_limits)
+        so = s.schedule()
+    assert so.spec_draft_limits.get("good", K) > 0 and so.spec_draft_limits.get("other", K) > 0
     fixed = make_spec_scheduler(adaptive=False)
     fixed.add_request(make_request("r", list(range(1, 9))))
     fixed_so = fixed.schedule()

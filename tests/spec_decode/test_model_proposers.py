@@ -133,10 +133,9 @@ def test_config_errors(target_path, config, match):
         LLM(target_path, dtype="float32", max_model_len=64, speculative_config=config)
 
 
-def test_adaptive_limits_cut_the_draft_steps(target_path, eagle_head_path, plain):
-    """With the adaptive rule a request whose drafts keep failing (a random EAGLE head) is verified one probe
-    draft at a time, and the proposer drafts no more than that: each proposal stays within the scheduler's
-    limit, and most are single drafts."""
+def test_policy_limits_bound_the_draft_steps(target_path, eagle_head_path, plain):
+    """With the cost-aware policy (the default) each proposal stays within the limit the scheduler sent (a
+    request at 0 gets none: tests/spec_decode/test_policy.py checks that drafts that never pay end there)."""
     config = {"method": "eagle", "model": eagle_head_path, "num_speculative_tokens": K}
     llm = LLM(target_path, dtype="float32", max_model_len=256, speculative_config=config)
     proposer = llm.engine.engine_core.executor.driver_runner.proposer
@@ -149,9 +148,10 @@ def test_adaptive_limits_cut_the_draft_steps(target_path, eagle_head_path, plain
         return proposal
 
     proposer.propose = recording
-    assert_same_greedy(plain, llm, copy_prompts(3, 31), max_tokens=30)
-    assert all(n <= m for n, m in seen)
-    assert sum(m == 1 for _, m in seen) > len(seen) // 2, seen
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompts = copy_prompts(3, 31)
+    assert token_ids(llm, prompts, params) == token_ids(plain, prompts, params)
+    assert seen and all(n <= m for n, m in seen)
 
 
 def test_swap_preemption_takes_the_drafts_kv_along(target_path, plain):

@@ -66,8 +66,8 @@ def test_greedy_identical_on_the_triton_backend(method, target_path, eagle_head_
 
 
 def test_eagle_after_decode_steps_replayed_from_graph_buffers(target_path, eagle_head_path, plain):
-    """Every other step proposes nothing, so the next is decode-only and runs through the graph path; the EAGLE
-    head then mirrors a step without eager attention metadata."""
+    """Every other step verifies none of the drafts proposed for it, so it is decode-only and runs through the
+    graph path; the EAGLE head then mirrors a step without eager attention metadata."""
     llm = make_llm(target_path, max_num_seqs=4, speculative_config=spec_config("eagle", eagle_head_path))
     runner = llm.engine.engine_core.executor.driver_runner
     if DEVICE == "cpu":
@@ -83,7 +83,8 @@ def test_eagle_after_decode_steps_replayed_from_graph_buffers(target_path, eagle
 
     runner.graphs.run = counting_run
     steps = count()
-    budget = runner.spec_policy.draft_token_budget
-    runner.spec_policy.draft_token_budget = lambda n: budget(n) if next(steps) % 2 else 0
+    scheduler = llm.engine.engine_core.scheduler
+    plan = scheduler._plan_drafts
+    scheduler._plan_drafts = lambda: plan() if next(steps) % 2 else {}
     assert_same_greedy(plain, llm, copy_prompts(3, 23), max_tokens=16)
     assert replays, "no decode step went through the graph path"

@@ -1,0 +1,151 @@
+"""The speculation policy's decisions as pure functions: plain numbers in, a number of drafts out."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.config import SpeculativeConfig
+from kvserve.core.spec_cost import StepCostModel, best_num_drafts, bucket, expected_tokens
+from kvserve.core.spec_policy import (
+    MAX_PROBE_INTERVAL,
+    MIN_PROBE_INTERVAL,
+    PRIOR_ACCEPTANCE,
+    Acceptance,
+    SpecDecodePolicy,
+)
+
+K = 4
+MS = 1e-3
+
+
+def test_expected_tokens_is_one_plus_the_sum_of_prefix_products():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 2) == 1.0 + 0.5 + 0.25
+    assert expected_tokens([0.9, 0.0, 1.0], 3) == pytest.approx(1.9)  # nothing after a sure rejection counts
+
+
+def test_best_num_drafts_at_batch_1_memory_bound():
+    """Batch 1 on a CPU: verifying is nearly free (0.1 ms a draft against a 17.5 ms step)."""
+    flat = [0.1 * MS * k for k in range(1, K + 1)]
+    assert best_num_drafts([0.8] * K, 17.5 * MS, flat, 0.05) == 4  # copy-heavy text: all K
+    assert best_num_drafts([0.0] * K, 17.5 * MS, flat, 0.05) == 0  # nothing accepted: none
+    assert best_num_drafts([0.04] * K, 17.5 * MS, flat, 0.05) == 0  # gain under the margin: none
+    # A model proposer at 4 ms a draft: 1 draft earns 1.4 tokens in 21.6 ms (0.0648/ms) against 1.05 / 17.5 ms
+    # (0.060/ms) needed; 2 drafts 1.56 in 25.7 ms (0.0607/ms): one draft is best.
+    eagle = [(0.1 + 4.0) * MS * k for k in range(1, K + 1)]
+    assert best_num_drafts([0.4] * K, 17.5 * MS, eagle, 0.05) == 1
+    assert best_num_drafts([0.25] * K, 17.5 * MS, eagle, 0.05) == 0  # 1.25 / 21.6 ms = 0.058/ms: under 0.06
+
+
+def test_best_num_drafts_at_batch_64_compute_bound():
+    """Batch 64: a plain step's share is 1 ms per request and each verified draft costs 0.8 ms more."""
+    costs = [0.8 * MS * k for k in range(1, K + 1)]
+    assert best_num_drafts([0.5] * K, 1.0 * MS, costs, 0.05) == 0  # 1.5 / 1.8 ms < 1.05 / 1 ms
+    assert best_num_drafts([0.9] * K, 1.0 * MS, costs, 0.05) == 1  # 1.9 / 1.8 ms = 1.056 / ms
+    assert best_num_drafts([0.99] * K, 1.0 * MS, costs, 0.05) == 4
+
+
+def test_step_cost_curve_interpolates_and_extrapolates():
+    m = StepCostModel()
+    m.observe(8, 500 * MS)  # a shape's first step (warm-up) is ignored
+    assert m.seconds(8) is None and m.extra_seconds(8, 1) is None
+    m.observe(8, 20 * MS)
+    assert m.seconds(16) == pytest.approx(40 * MS)  # one point: compute-bound guess (pessimistic)
+    assert m.seconds(1) == pytest.approx(20 * MS)  # flat below the smallest measured
+    m.observe(16, 26 * MS)
+    m.observe(16, 26 * MS)
+    assert m.seconds(12) == pytest.approx(23 * MS)
+    assert m.seconds(24) == pytest.approx(32 * MS)  # the slope of the last two, 0.75 ms a token
+    assert m.extra_seconds(8, 8) == pytest.approx(6 * MS)
+    m.observe(17, 20 * MS)
+    m.observe(17, 20 * MS)  # noise: a falling curve never gives negative extra costs
+    for _ in range(4):
+        m.observe(8, 20 * MS)
+    for _ in range(4):
+        m.observe(8, 200 * MS)  # a slow spell: the median of the last 9 holds until it is most of them
+    assert m.seconds(8) == pytest.approx(20 * MS)
+    assert m.extra_seconds(17, 10) == 0.0
+    assert [bucket(t) for t in (1, 32, 33, 40, 63, 64, 71, 72, 300)] == [1, 32, 32, 40, 60, 64, 64, 72, 288]
+
+
+def test_acceptance_per_position_counts_only_the_drafts_reached():
+    a = Acceptance(K, weight=0.5)
+    assert a.effective(K) == [PRIOR_ACCEPTANCE] * K  # nothing known
+    a.observe(4, 1)  # draft 1 accepted, draft 2 rejected, 3 and 4 never reached
+    assert a.num_observed == 2 and a.effective(K) == [0.75, 0.25, 0.25, 0.25]
+    a.observe(4, 4)
+    # Positions 3 and 4 start from position 2's estimate (0.625) the first time they are reached.
+    assert a.effective(K) == [0.875, 0.625, 0.8125, 0.8125]
+    started = Acceptance(K, weight=0.3, start=a)  # a new request starts from the engine's estimate
+    assert started.effective(K) == [0.875, 0.625, 0.8125, 0.8125]
+
+
+def _measured_policy(config: SpeculativeConfig, plain_ms: float, per_token_ms: float, propose_ms: float):
+    policy = SpecDecodePolicy(config)
+    for t in (1, 1, 2, 2, 8, 8, 16, 16, 64, 64, 128, 128):  # each bucket's first measurement is ignored
+        policy.observe_step(t, True, (plain_ms + per_token_ms * t) * MS, propose_ms * MS, 1, 0.0, 0)
+    return policy
+
+
+def test_grant_gives_k_to_good_requests_and_probes_bad_ones_within_the_budget():
+    # A proposer pass of 5 ms a request: a probe costs ~10 ms, ~30 steps of the 2% probe budget.
+    policy = _measured_policy(SpeculativeConfig("ngram", K), 17.0, 0.01, 5.0)
+    good, bad = policy.new_state(0), policy.new_state(0)
+    for _ in range(5):
+        policy.observe_verification(good, K, K)
+        policy.observe_verification(bad, 1, 0)
+    # `good` raised the engine-wide estimate that new requests start from; `bad` has its own, and its first probe
+    # comes MIN_PROBE_INTERVAL steps after its arrival (costs are measured, so no probe at once).
+    for step in range(MIN_PROBE_INTERVAL):
+        assert policy.grant([good, bad], [True, True], step) == [K, 0]
+    assert policy.grant([good, bad], [True, True], MIN_PROBE_INTERVAL) == [K, 1]
+    assert bad.probing and policy.num_to_verify(bad, 3) == 1 and bad.verifying_probe
+    policy.observe_verification(bad, 1, 0)  # the probe fails: the interval doubles for the one after next
+    assert bad.probe_interval == 2 * MIN_PROBE_INTERVAL and bad.next_probe_step == 2 * MIN_PROBE_INTERVAL
+    # Due again, but the credit (2% of each step's time) has not paid for the last probe yet.
+    assert policy.grant([good, bad], [True, True], 2 * MIN_PROBE_INTERVAL) == [K, 0]
+    for _ in range(60):
+        policy.observe_step(2 + K, True, 17.1 * MS, 10.0 * MS, 2, 0.0, 0)
+    assert policy.grant([good, bad], [True, True], 2 * MIN_PROBE_INTERVAL + 1) == [K, 1]
+    assert policy.grant([good, bad], [True, False], 5 * MIN_PROBE_INTERVAL) == [K, 0]  # probes only those that sample
+    for _ in range(10):  # failed probes, one after another
+        bad.limit, bad.probing = 1, True
+        policy.num_to_verify(bad, 1)
+        policy.observe_verification(bad, 1, 0)
+    assert bad.probe_interval == MAX_PROBE_INTERVAL
+
+
+def test_batch_size_turns_speculation_off_where_verification_costs():
+    """The same acceptance pays at batch 1 and not at batch 64 on a compute-bound curve."""
+    policy = _measured_policy(SpeculativeConfig("ngram", K), 16.0, 0.8, 0.01)
+    assert policy.decide([[0.6] * K], 1) == [K]
+    assert policy.decide([[0.6] * K] * 64, 64) == [0] * 64
+    # Verification is charged at the step's size so far: the best request gets its drafts first, and the next
+    # one fewer (at 7 query tokens its 4th draft would cost 0.8 ms for 0.13 expected tokens).
+    assert policy.decide([[0.6] * K, [0.97] * K, [0.0] * K], 3) == [3, K, 0]
+
+
+def test_fixed_k_and_disable_by_batch_size():
+    fixed = SpecDecodePolicy(SpeculativeConfig("ngram", K, adaptive=False))
+    states = [fixed.new_state(0) for _ in range(3)]
+    assert fixed.grant(states, [True] * 3, 0) == [K] * 3
+    capped = SpecDecodePolicy(SpeculativeConfig("ngram", K, adaptive=False, disable_by_batch_size=2))
+    assert capped.grant([capped.new_state(0) for _ in range(3)], [True] * 3, 0) == [0] * 3
+
+
+def test_probes_alone_are_charged_their_measured_seconds():
+    """Where only probes run the proposer, the step's measured proposer seconds (a new shape's warm-up included,
+    which the medians leave out) come off the probe credit: a 200 ms probe pays for itself only after 200 ms / 2%
+    = 10 s of steps."""
+    policy = _measured_policy(SpeculativeConfig("ngram", K), 17.0, 0.01, 1.0)
+    bad = policy.new_state(0)
+    for _ in range(5):
+        policy.observe_verification(bad, 1, 0)
+    assert policy.grant([bad], [True], MIN_PROBE_INTERVAL) == [1]
+    policy.observe_step(1, True, 17 * MS, 200 * MS, 1, 0.0, 0)
+    bad.next_probe_step = 0  # due at every step from now on
+    granted = [policy.grant([bad], [True], step)[0] for step in range(100)]
+    for _ in range(100):
+        policy.observe_step(1, True, 17 * MS, 0.0, 0, 0.0, 0)
+    assert granted == [0] * 100
+    assert policy.grant([bad], [True], 1000) == [0]  # 100 steps of 17 ms earned 34 ms of the 200
