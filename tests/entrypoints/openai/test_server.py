@@ -429,7 +429,7 @@ def test_speculative_server_matches_and_reports_metrics(tiny_model_factory):
     """`--speculative-config` on a model whose greedy outputs loop (so drafts are accepted): the same text as the
     plain server, and the speculation counters in /metrics."""
     loops = tiny_model_factory("llama-loops")
-    spec_config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+    spec_config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": false}'
     plain = Server(loops, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN))
     try:
         ref = plain.client().completions.create(model=loops, prompt="Hello there", max_tokens=40, temperature=0)
