@@ -31,10 +31,29 @@ from kvserve.kernels.cpu import kernel_isa, load_cpu_kernels
 from kvserve.utils import cdiv
 
 
+def _fp8_tile_offsets(block_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where element (t, d) of one kv head sits in its fp8 K and V tiles (kv_layout.h), as flat [B * D] indices."""
+    t, d = np.arange(block_size)[:, None], np.arange(head_dim)[None, :]
+
+    def chunk_byte(u, w):  # element w of vector u within a 64-byte chunk
+        return (w // 8) * 16 + u * 8 + w % 8
+
+    k = ((d // 4) * (block_size // 16) + t // 16) * 64 + chunk_byte((d // 2) % 2, (t % 16) * 2 + d % 2)
+    v = ((t // 2) * (head_dim // 32) + d // 32) * 64 + chunk_byte((d // 16) % 2, (d % 16) * 2 + t % 2)
+    return torch.from_numpy(k.reshape(-1)), torch.from_numpy(v.reshape(-1))
+
+
 def pack_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Standard [N, B, Hkv, D] blocks -> the pair-packed order (kv_layout.h), same shape: K tiles [Hkv][D/2][B][2],
-    V tiles [Hkv][B/2][D][2]."""
+    V tiles [Hkv][B/2][D][2]; an fp8 cache in its 64-byte chunks of two such vectors."""
     n, b, h, d = key_cache.shape
+    if is_fp8(key_cache.dtype):
+        packed = []
+        for cache, offsets in zip((key_cache, value_cache), _fp8_tile_offsets(b, d), strict=True):
+            out = torch.empty_like(cache).view(n, h, b * d)
+            out[:, :, offsets] = cache.permute(0, 2, 1, 3).reshape(n, h, b * d)
+            packed.append(out.view(n, b, h, d))
+        return packed[0], packed[1]
     k = key_cache.view(n, b, h, d // 2, 2).permute(0, 2, 3, 1, 4)
     v = value_cache.view(n, b // 2, 2, h, d).permute(0, 3, 1, 4, 2)
     return k.contiguous().view(n, b, h, d), v.contiguous().view(n, b, h, d)
@@ -43,6 +62,12 @@ def pack_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[
 def unpack_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of pack_kv_blocks."""
     n, b, h, d = key_cache.shape
+    if is_fp8(key_cache.dtype):
+        unpacked = []
+        for cache, offsets in zip((key_cache, value_cache), _fp8_tile_offsets(b, d), strict=True):
+            tiles = cache.reshape(n, h, b * d)[:, :, offsets].view(n, h, b, d)
+            unpacked.append(tiles.permute(0, 2, 1, 3).contiguous())
+        return unpacked[0], unpacked[1]
     k = key_cache.view(n, h, d // 2, b, 2).permute(0, 3, 1, 2, 4)
     v = value_cache.view(n, h, b // 2, d, 2).permute(0, 2, 4, 1, 3)
     return k.reshape(n, b, h, d), v.reshape(n, b, h, d)
@@ -81,7 +106,8 @@ class CpuKernelAttentionBackend(AttentionBackend):
     ) -> None:
         """`deterministic=False` lets big chunks go to SDPA where it is faster (the standard layout; see the module
         docstring); a query's output then depends on its chunk. `kv_cache_dtype`: the model's dtype (None) or fp8,
-        which the kernels convert to on write and widen from on read (standard layout)."""
+        which the kernels convert to on write and widen from on read (pair-packed with a bf16 model where the CPU
+        allows, see uses_packed_layout)."""
         super().__init__(num_heads, num_kv_heads, head_dim, kv_cache_dtype or dtype)
         self.dtype = dtype
         self.group = num_heads // num_kv_heads
@@ -96,19 +122,24 @@ class CpuKernelAttentionBackend(AttentionBackend):
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def uses_packed_layout(self, block_size: int) -> bool:
-        """Whether caches of this block size hold the pair-packed layout (fixed for a cache's whole life)."""
-        if self.kv_cache_dtype != self.dtype:  # an fp8 cache: the standard layout
+        """Whether caches of this block size hold the pair-packed layout (fixed for a cache's whole life): a bf16
+        model with a bf16 cache, or with an fp8 cache where the CPU has AVX512-VBMI too."""
+        fp8 = is_fp8(self.kv_cache_dtype)
+        if self.dtype != torch.bfloat16 or not (fp8 or self.kv_cache_dtype == self.dtype):
             return False
-        return self.dtype == torch.bfloat16 and self.kernels.packed_kv_supported(self.head_dim, self.group, block_size)
+        return self.kernels.packed_kv_supported(self.head_dim, self.group, block_size, fp8)
 
     def kv_layout(self, block_size: int) -> str:
-        return "bf16-pair-packed" if self.uses_packed_layout(block_size) else "standard"
+        if not self.uses_packed_layout(block_size):
+            return "standard"
+        return "fp8-pair-packed" if is_fp8(self.kv_cache_dtype) else "bf16-pair-packed"
 
     def describe(self, block_size: int) -> str:
         """Which kernels run attention (and the elementwise ops and sampling, which share the build)."""
-        layout = ", pair-packed bf16 KV" if self.uses_packed_layout(block_size) else ""
+        packed = "pair-packed " if self.uses_packed_layout(block_size) else ""
+        layout = f", {packed}bf16 KV" if packed else ""
         if is_fp8(self.kv_cache_dtype):
-            layout = f", {str(self.kv_cache_dtype).removeprefix('torch.')} KV"
+            layout = f", {packed}{str(self.kv_cache_dtype).removeprefix('torch.')} KV"
         sdpa = "" if self.batch_invariant(block_size) else ", big chunks via SDPA"
         return f"C++ {kernel_isa()}{layout}{sdpa}"
 

@@ -28,6 +28,7 @@ _SOURCES = [
         "bindings.cpp",
         "paged_attention.cpp",
         "paged_attention_packed.cpp",
+        "paged_attention_packed_fp8.cpp",
         "sampling.cpp",
         "elementwise.cpp",
         "linear.cpp",

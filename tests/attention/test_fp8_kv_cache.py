@@ -12,7 +12,7 @@ import torch
 
 from kvserve.attention import cpu_kernels
 from kvserve.attention.base import AttentionInputs
-from kvserve.attention.cpu_kernels import CpuKernelAttentionBackend
+from kvserve.attention.cpu_kernels import CpuKernelAttentionBackend, pack_kv_blocks, unpack_kv_blocks
 from kvserve.attention.kv_dtype import quantize_kv
 from kvserve.attention.torch_ref import TorchRefAttentionBackend
 from tests.attention.test_backends import reference_attention
@@ -120,10 +120,16 @@ def test_fp8_cache_attention_matches_dequantized_reference(
     v_new = torch.cat([full_v[i][c:] for i, (c, _) in enumerate(seqs)])
     backend = _backend(kind, num_heads, num_kv_heads, head_dim, dtype, cache_dtype)
     metadata = backend.build_metadata(inputs)
-    if kind != "torch":
-        assert not metadata.packed and len(metadata.prefills) == (2 if kind == "cpp-kernel+sdpa" else 0)
+    packed = kind != "torch" and metadata.packed
+    if kind != "torch":  # the packed layout: a bf16 model, 16-token blocks, 32-dim chunks, a CPU with VBMI
+        assert packed == backend.uses_packed_layout(block_size)
+        assert len(metadata.prefills) == (2 if kind == "cpp-kernel+sdpa" and not packed else 0)
+    if packed:  # the cached context was written in the standard order above
+        key_cache, value_cache = pack_kv_blocks(key_cache, value_cache)
     scale = head_dim**-0.5
     out = backend.forward(q, k_new, v_new, (key_cache, value_cache), metadata, scale, window)
+    if packed:
+        key_cache, value_cache = unpack_kv_blocks(key_cache, value_cache)
 
     for i in range(len(seqs)):
         s, e = int(qsl[i]), int(qsl[i + 1])
@@ -139,8 +145,83 @@ def test_fp8_cache_attention_matches_dequantized_reference(
     assert torch.equal(flat_v.view(torch.uint8), quantize_kv(v_new, cache_dtype).view(torch.uint8))
 
 
-def test_fp8_cache_is_never_pair_packed():
+def _packed_fp8_backend(cache_dtype, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16):
     require_kernels()
-    backend = CpuKernelAttentionBackend(9, 3, 64, torch.bfloat16, kv_cache_dtype=torch.float8_e4m3fn)
-    assert not backend.uses_packed_layout(16) and backend.kv_layout(16) == "standard"
+    backend = CpuKernelAttentionBackend(num_heads, num_kv_heads, head_dim, torch.bfloat16, kv_cache_dtype=cache_dtype)
+    if not backend.uses_packed_layout(block_size):
+        pytest.skip("no AVX512-BF16 + AVX512-VBMI on this CPU: fp8 caches keep the standard layout")
+    return backend
+
+
+def test_fp8_cache_layout_choice():
+    """fp8 caches are pair-packed only with a bf16 model, whole 16-token tiles and 32-dim chunks; fp32 models keep
+    the standard layout (the kernel's q is bf16)."""
+    require_kernels()
+    fp32 = CpuKernelAttentionBackend(9, 3, 64, torch.float32, kv_cache_dtype=torch.float8_e4m3fn)
+    assert not fp32.uses_packed_layout(16) and fp32.kv_layout(16) == "standard"
+    narrow = CpuKernelAttentionBackend(4, 1, 24, torch.bfloat16, kv_cache_dtype=torch.float8_e4m3fn)
+    assert not narrow.uses_packed_layout(16)
+    backend = _packed_fp8_backend(torch.float8_e4m3fn)
+    assert backend.kv_layout(16) == "fp8-pair-packed" and not backend.uses_packed_layout(4)
     assert backend.kv_cache_dtype == torch.float8_e4m3fn
+    assert "pair-packed float8_e4m3fn KV" in backend.describe(16)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128)])
+def test_packed_fp8_round_trip_and_writes(cache_dtype, block_size, num_heads, num_kv_heads, head_dim):
+    """pack/unpack are inverses on fp8 blocks, and the kernel's packed writes land where pack_kv_blocks puts the
+    standard writes' bytes (the same rounding, saturation and NaN rule)."""
+    backend = _packed_fp8_backend(cache_dtype, num_heads, num_kv_heads, head_dim, block_size)
+    torch.manual_seed(0)
+    shape = (6, block_size, num_kv_heads, head_dim)
+    kc = torch.randint(0, 256, shape, dtype=torch.uint8).view(cache_dtype)
+    vc = torch.randint(0, 256, shape, dtype=torch.uint8).view(cache_dtype)
+    pk, pv = pack_kv_blocks(kc, vc)
+    assert not torch.equal(pk.view(torch.uint8), kc.view(torch.uint8))
+    uk, uv = unpack_kv_blocks(pk, pv)
+    assert torch.equal(uk.view(torch.uint8), kc.view(torch.uint8))
+    assert torch.equal(uv.view(torch.uint8), vc.view(torch.uint8))
+    slots = torch.randperm(6 * block_size)[:40]
+    k = (torch.randn(40, num_kv_heads * head_dim) * torch.logspace(-4, 5, 40)[:, None]).bfloat16()
+    v = torch.randn(40, num_kv_heads * head_dim).bfloat16()
+    k[3, 5], v[4, 7], v[5, 1] = float("nan"), float("inf"), -1e30
+    backend.kernels.write_kv(k, v, kc, vc, slots)
+    backend.kernels.write_kv(k, v, pk, pv, slots, True)
+    want_k, want_v = pack_kv_blocks(kc, vc)
+    assert torch.equal(pk.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(pv.view(torch.uint8), want_v.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_packed_kernel_reads_every_fp8_code_exactly(cache_dtype):
+    """The packed kernel's widening (byte tables) is exact for every finite code, subnormals included: a row that
+    sees one key outputs that key's value row (p = 1 is exact in bf16; -0 comes out as +0 from the fp32 sum)."""
+    backend = _packed_fp8_backend(cache_dtype, 2, 1, 64, 16)
+    codes = torch.arange(256, dtype=torch.uint8).view(cache_dtype)
+    # The cache never holds NaN or inf (e5m2's codes for them): write_kv stores 0 and the largest finite value.
+    finite = torch.isfinite(codes.float())
+    codes = torch.where(finite, codes.float(), torch.zeros_like(codes.float())).to(cache_dtype)
+    codes = codes.view(4, 64)  # each of the 4 rows' value row: 64 codes
+    num_rows = 4
+    vc = torch.zeros(num_rows, 16, 1, 64, dtype=cache_dtype)
+    vc[:, 0, 0] = codes
+    kc = torch.zeros_like(vc)
+    pk, pv = pack_kv_blocks(kc, vc)
+    q = torch.randn(num_rows, 2, 64).bfloat16()
+    table = torch.arange(num_rows, dtype=torch.int32)[:, None]
+    out = backend.kernels.paged_attention_packed(q, pk, pv, table, torch.ones(num_rows, dtype=torch.int64), 0.125)
+    assert torch.equal(out.float(), codes.float()[:, None, :].expand(num_rows, 2, 64))
+    # Keys too: a query of 1.0 at dim d scores each code of column d exactly (two keys: the code and zero).
+    kc = torch.zeros(num_rows, 16, 1, 64, dtype=cache_dtype)
+    kc[:, 0, 0] = codes
+    vc = torch.zeros_like(kc)
+    vc[:, 0, 0, 0], vc[:, 1, 0, 1] = 1.0, 1.0  # out[0] = p(key 0), out[1] = p(key 1)
+    pk, pv = pack_kv_blocks(kc, vc)
+    for d in range(0, 64, 7):
+        q = torch.zeros(num_rows, 2, 64).bfloat16()
+        q[:, :, d] = 1.0
+        out = backend.kernels.paged_attention_packed(q, pk, pv, table, torch.full((num_rows,), 2), 1.0).float()
+        score = codes[:, d].float().clamp(-60, 60)  # softmax of (score, 0): p0 = sigmoid(score)
+        torch.testing.assert_close(out[:, 0, 0], torch.sigmoid(score), atol=5e-3, rtol=0)

@@ -84,3 +84,37 @@ def test_unsupported_kv_cache_dtypes_are_refused_before_loading(tiny_model_facto
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     config = EngineArgs(model=path, kv_cache_dtype="fp8", speculative_config=ngram).create_engine_config()
     assert config.cache.cache_dtype == "fp8_e4m3"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_bf16_model_fp8_cache_is_pair_packed_and_batch_invariant(tiny_model_factory, kv_cache_dtype):
+    """bf16 model, fp8 cache, where the CPU has AVX512-BF16 and AVX512-VBMI: the pool holds the fp8 pair-packed
+    layout (named in the layout id), and each prompt's greedy tokens are the same alone and unchunked as batched,
+    chunked (a 16-token budget) and from the prefix cache; every block is free at the end."""
+    require_kernels()
+    path = tiny_model_factory(MODEL)
+
+    def make(budget: int) -> LLM:
+        return LLM(
+            path,
+            dtype="bfloat16",
+            max_model_len=512,
+            kv_cache_memory=16 << 20,
+            kv_cache_dtype=kv_cache_dtype,
+            attention_backend="cpu",
+            max_num_batched_tokens=budget,
+        )
+
+    llm = make(16)
+    if "fp8-pair-packed" not in runner_of(llm).kv_cache_spec().layout_id:
+        pytest.skip("no AVX512-BF16 + AVX512-VBMI here: the fp8 cache keeps the standard layout")
+    ps = [{"prompt_token_ids": p} for p in prompts()]
+    rounds = [[o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] for _ in range(2)]
+    assert rounds[0] == rounds[1]
+    assert_all_blocks_free(llm)
+    alone = make(512)
+    for p, want in zip(ps, rounds[0], strict=True):
+        got = alone.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == want
+        alone.reset_prefix_cache()
+    assert_all_blocks_free(alone)

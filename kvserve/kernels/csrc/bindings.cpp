@@ -14,7 +14,7 @@ void rotary_(at::Tensor qk, at::Tensor positions, at::Tensor cos, at::Tensor sin
 at::Tensor silu_and_mul(at::Tensor x);
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
               bool packed);
-bool packed_kv_supported(int64_t head_dim, int64_t group, int64_t block_size);
+bool packed_kv_supported(int64_t head_dim, int64_t group, int64_t block_size, bool fp8);
 int64_t linear_panel_width();
 at::Tensor pack_linear_weight(at::Tensor w);
 at::Tensor linear_packed(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
@@ -50,8 +50,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("write_kv", &write_kv, "write K/V rows into their cache slots (non-finite values sanitised)", py::arg("k"),
         py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::arg("packed") = false);
-  m.def("packed_kv_supported", &packed_kv_supported, "whether the packed bf16 decode kernel runs these shapes here");
-  m.def("paged_attention_packed", &paged_attention_packed, "paged attention over the pair-packed bf16 cache (CPU)",
+  m.def("packed_kv_supported", &packed_kv_supported,
+        "whether the packed decode kernel runs these shapes (and, with fp8, an fp8 cache) here", py::arg("head_dim"),
+        py::arg("group"), py::arg("block_size"), py::arg("fp8") = false);
+  m.def("paged_attention_packed", &paged_attention_packed, "paged attention over the pair-packed bf16 or fp8 cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window") = 0, py::arg("alibi_slopes") = py::none());
   m.def("linear_panel_width", &linear_panel_width, "weight rows per panel of pack_linear_weight's layout");

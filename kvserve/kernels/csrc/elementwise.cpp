@@ -180,9 +180,10 @@ void write_kv_rows_fp8(const T* k, const T* v, int64_t k_stride, int64_t v_strid
   });
 }
 
-// The same into the pair-packed layout (kv_layout.h): each row is sanitised in a scratch copy, then scattered.
-template <typename T>
-void write_kv_rows_packed(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T* k_cache, T* v_cache,
+// The same into the pair-packed layout (kv_layout.h): each row is sanitised in a scratch copy, then scattered; into
+// an fp8 cache (C), each value converted by to_fp8 on the way, to the fp8 tiles' offsets.
+template <typename T, typename C>
+void write_kv_rows_packed(const T* k, const T* v, int64_t k_stride, int64_t v_stride, C* k_cache, C* v_cache,
                           const int64_t* slots, int64_t rows, int64_t num_kv_heads, int64_t head_dim,
                           int64_t block_size) {
   const int64_t width = num_kv_heads * head_dim;
@@ -191,16 +192,24 @@ void write_kv_rows_packed(const T* k, const T* v, int64_t k_stride, int64_t v_st
     for (int64_t row = begin; row < end; ++row) {
       std::memcpy(ks.data(), k + row * k_stride, width * sizeof(T));
       std::memcpy(vs.data(), v + row * v_stride, width * sizeof(T));
-      sanitise(ks.data(), width);
-      sanitise(vs.data(), width);
       const int64_t block = slots[row] / block_size, t = slots[row] % block_size;
-      T* kb = k_cache + block * block_size * width;
-      T* vb = v_cache + block * block_size * width;
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        for (int64_t d = 0; d < head_dim; ++d) {
-          kb[packed_k_offset(t, h, d, block_size, head_dim)] = ks[h * head_dim + d];
-          vb[packed_v_offset(t, h, d, block_size, head_dim)] = vs[h * head_dim + d];
-        }
+      C* kb = k_cache + block * block_size * width;
+      C* vb = v_cache + block * block_size * width;
+      if constexpr (kIsFp8<C>) {
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          for (int64_t d = 0; d < head_dim; ++d) {
+            kb[packed_k_offset_fp8(t, h, d, block_size, head_dim)] = to_fp8<C>(to_f(ks[h * head_dim + d]));
+            vb[packed_v_offset_fp8(t, h, d, block_size, head_dim)] = to_fp8<C>(to_f(vs[h * head_dim + d]));
+          }
+      } else {
+        sanitise(ks.data(), width);
+        sanitise(vs.data(), width);
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          for (int64_t d = 0; d < head_dim; ++d) {
+            kb[packed_k_offset(t, h, d, block_size, head_dim)] = ks[h * head_dim + d];
+            vb[packed_v_offset(t, h, d, block_size, head_dim)] = vs[h * head_dim + d];
+          }
+      }
     }
   });
 }
@@ -248,7 +257,7 @@ at::Tensor silu_and_mul(at::Tensor x) {
 // k, v [T, Hkv * D] row views (unit column stride); caches [num_blocks, block_size, Hkv, D]; slot_mapping [T].
 // Writes each token's K and V into its slot, in the standard layout or, with `packed`, the pair-packed one
 // (kv_layout.h); NaN becomes 0 and +-inf the largest finite value, so the cache never holds a non-finite number.
-// An fp8 cache (float8_e4m3fn / float8_e5m2, standard layout only) gets each value converted by to_fp8.
+// An fp8 cache (float8_e4m3fn / float8_e5m2; packed: kv_layout.h's fp8 tiles) gets each value converted by to_fp8.
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
               bool packed) {
   TORCH_CHECK(k.dim() == 2 && v.dim() == 2 && k.stride(1) == 1 && v.stride(1) == 1, "write_kv: 2-D row views");
@@ -259,23 +268,30 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
   TORCH_CHECK(!packed || (head_dim % 2 == 0 && block_size % 2 == 0), "write_kv: packed needs even sizes");
   auto slots = slot_mapping.contiguous();
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "write_kv: k and v cache dtypes differ");
-  TORCH_CHECK(!packed || !is_fp8(k_cache.scalar_type()), "write_kv: an fp8 cache has the standard layout");
+  TORCH_CHECK(!packed || !is_fp8(k_cache.scalar_type()) || (head_dim % 32 == 0 && block_size % 16 == 0),
+              "write_kv: a packed fp8 cache needs head_dim % 32 == 0 and block_size % 16 == 0");
   dispatch_float(k, [&](auto tag) {
     using T = decltype(tag);
     if (is_fp8(k_cache.scalar_type())) {
       dispatch_kv_cache(k_cache, tag, [&](auto cache_tag) {
         using C = decltype(cache_tag);
         if constexpr (kIsFp8<C>) {
-          write_kv_rows_fp8<T, C>(k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0),
-                                  static_cast<C*>(k_cache.data_ptr()), static_cast<C*>(v_cache.data_ptr()),
-                                  slots.data_ptr<int64_t>(), k.size(0), width);
+          if (packed) {
+            write_kv_rows_packed<T, C>(k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0),
+                                       static_cast<C*>(k_cache.data_ptr()), static_cast<C*>(v_cache.data_ptr()),
+                                       slots.data_ptr<int64_t>(), k.size(0), num_kv_heads, head_dim, block_size);
+          } else {
+            write_kv_rows_fp8<T, C>(k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0),
+                                    static_cast<C*>(k_cache.data_ptr()), static_cast<C*>(v_cache.data_ptr()),
+                                    slots.data_ptr<int64_t>(), k.size(0), width);
+          }
         }
       });
       return;
     }
     TORCH_CHECK(k_cache.scalar_type() == k.scalar_type(), "write_kv: the cache holds k's dtype or fp8");
     if (packed) {
-      write_kv_rows_packed<T>(k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0), k_cache.data_ptr<T>(),
+      write_kv_rows_packed<T, T>(k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0), k_cache.data_ptr<T>(),
                               v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(), k.size(0), num_kv_heads, head_dim,
                               block_size);
     } else {
