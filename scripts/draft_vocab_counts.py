@@ -13,29 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
-
 from kvserve.loader.default_model import DEFAULT_MODEL, resolve_model_path
 from kvserve.loader.tokenizer import load_tokenizer
-from kvserve.spec_decode.draft_vocab import count_tokens, save_counts
+from kvserve.spec_decode.draft_vocab import save_counts
 from kvserve.spec_decode.eagle import default_head_dir
-from kvserve.spec_decode.local_text import docstrings, source, stdlib_files
-
-
-def local_token_counts(tokenizer, vocab_size: int) -> tuple[np.ndarray, dict[int, float]]:
-    """(counts [vocab_size] over the library's training part with the special tokens ranked first, and the share
-    of the counted tokens the N most frequent cover, for a few N)."""
-    texts = []
-    for path in stdlib_files(held_out=False):
-        texts.extend(docstrings(path))
-        texts.append(source(path))
-    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts if t]
-    counts = count_tokens(ids, vocab_size)
-    top = np.sort(counts)[::-1]
-    coverage = {n: round(float(top[:n].sum() / counts.sum()), 4) for n in (4096, 8192, 16384, 32768)}
-    special = [i for i in tokenizer.all_special_ids if i < vocab_size]
-    counts[special] = counts.max() + 1
-    return counts, coverage
+from kvserve.spec_decode.local_text import local_token_counts
 
 
 def main() -> None:
