@@ -178,6 +178,9 @@ class SpeculativeConfig:
     # The cost-aware policy of kvserve.core.spec_policy: per step and request, only the drafts that measured
     # acceptance and costs say will pay (none where they do not). False: every request gets K every step.
     adaptive: bool = True
+    # draft_model / eagle: the draft's LM head computes the logits of this many most frequent tokens only, from
+    # the counts beside the head or draft model (kvserve.spec_decode.draft_vocab); 0: the full vocabulary.
+    draft_vocab_size: int = 0
     # Resolved by EngineArgs from `model`: the draft model's (or the EAGLE head's) config.
     draft: ModelConfig | None = field(default=None, hash=False)
 
@@ -206,6 +209,12 @@ class SpeculativeConfig:
         elif "prompt_lookup_max" in d and "prompt_lookup_min" not in d:
             d["prompt_lookup_min"] = min(cls.prompt_lookup_min, d["prompt_lookup_max"])
         config = cls(**d)
+        if not isinstance(config.draft_vocab_size, int) or config.draft_vocab_size < 0:
+            raise ValueError(
+                f"speculative_config: draft_vocab_size must be an integer >= 0, got {config.draft_vocab_size!r}"
+            )
+        if config.draft_vocab_size and method == "ngram":
+            raise ValueError("speculative_config: draft_vocab_size is for the model proposers (draft_model, eagle)")
         if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
             raise ValueError(
                 "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "

@@ -1,13 +1,21 @@
 """Fit an EAGLE head for the embedded default model (SmolLM2-135M-Instruct) on text it generates itself.
 
-    PYTHONPATH=. python scripts/train_eagle_head.py [--num-prompts 96] [--train-seconds 180] [--out DIR]
+    PYTHONPATH=. python scripts/train_eagle_head.py [--num-prompts 96] [--stdlib-prompts 0] [--stdlib-windows 0]
+        [--train-seconds 180] [--out DIR]
 
 1. kvserve generates greedy replies to local prompts: "repeat this code" over kvserve's source files (other
-   snippets than the benchmark's, which uses seed 0) and "explain / summarise / continue" over docs/*.md;
+   snippets than the benchmark's, which uses seed 0) and "explain / summarise / continue" over docs/*.md, and
+   (--stdlib-prompts) the same questions over docstrings and code of the Python standard library's training part
+   (kvserve.spec_decode.local_text); --stdlib-windows adds windows of that library text as they are (no reply);
 2. kvserve gives the target's final hidden states for every prompt + reply (one prefill each);
 3. kvserve.spec_decode.eagle_train fits the head for --train-seconds of CPU time and writes it, in the published
    EAGLE layout, to the folder `speculative_config={"method": "eagle"}` looks in by default
    (KVSERVE_CACHE_DIR or ~/.cache/kvserve, then eagle/smollm2-135m-instruct). About 17 MB, so not in git.
+   Beside it: token_counts.npy, the token frequencies of the library's training part, for
+   `"draft_vocab_size": N` (kvserve.spec_decode.draft_vocab).
+4. The head's top-1 agreement with the target is scored on held-out text: with --held-out-prompts, replies to
+   questions over the library's held-out files (whole sequences, prompt and reply); else a tenth of the sequences.
+   For each --draft-vocab-sizes N it is scored again with the head's argmax over the N most frequent tokens.
 """
 
 from __future__ import annotations
@@ -19,9 +27,12 @@ import pathlib
 import random
 import time
 
+import torch
+
 from kvserve import LLM, SamplingParams
 from kvserve.benchmarks.datasets import DatasetSpec, build_dataset
 from kvserve.loader.default_model import DEFAULT_MODEL
+from kvserve.spec_decode.draft_vocab import draft_vocab_ids, save_counts
 from kvserve.spec_decode.eagle import default_head_dir
 from kvserve.spec_decode.eagle_train import (
     embedding_and_lm_head,
@@ -30,6 +41,7 @@ from kvserve.spec_decode.eagle_train import (
     target_features,
     train_head,
 )
+from kvserve.spec_decode.local_text import docstrings, local_token_counts, source, stdlib_files
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _DOC_INSTRUCTIONS = (
@@ -53,10 +65,48 @@ def doc_prompts(tokenizer, num: int, rng: random.Random) -> list[list[int]]:
     return out
 
 
+def stdlib_prompts(tokenizer, num: int, rng: random.Random, held_out: bool) -> list[list[int]]:
+    """Chat questions over snippets of the standard library (docstrings and code) of one part."""
+    files = stdlib_files(held_out)
+    out = []
+    while len(out) < num:
+        path = rng.choice(files)
+        texts = docstrings(path) if rng.random() < 0.5 else [source(path)]
+        texts = [t for t in texts if len(t) > 200]
+        if not texts:
+            continue
+        ids = tokenizer.encode(rng.choice(texts), add_special_tokens=False)
+        start = rng.randrange(max(1, len(ids) - 200))
+        snippet = tokenizer.decode(ids[start : start + rng.randint(60, 200)])
+        messages = [{"role": "user", "content": f"{rng.choice(_DOC_INSTRUCTIONS)}\n\n{snippet}"}]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer.encode(prompt, add_special_tokens=False))
+    return out
+
+
+def stdlib_windows(tokenizer, num: int, length: int, rng: random.Random) -> list[list[int]]:
+    """Windows of `length` tokens of the library's training part, as they are (docstrings and code)."""
+    files = stdlib_files(held_out=False)
+    out = []
+    while len(out) < num:
+        path = rng.choice(files)
+        ids = tokenizer.encode(source(path), add_special_tokens=False)
+        if len(ids) < length:
+            continue
+        start = rng.randrange(len(ids) - length + 1)
+        out.append(ids[start : start + length])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=96, help="half copy prompts, half prompts about the docs")
     ap.add_argument("--max-tokens", type=int, default=192, help="tokens generated per prompt")
+    ap.add_argument("--stdlib-prompts", type=int, default=0, help="questions over the standard library's text")
+    ap.add_argument("--stdlib-windows", type=int, default=0, help="windows of the standard library's text")
+    ap.add_argument("--window-len", type=int, default=384)
+    ap.add_argument("--held-out-prompts", type=int, default=0, help="questions over held-out library files")
+    ap.add_argument("--draft-vocab-sizes", type=int, nargs="*", default=[8192, 16384, 32768])
     ap.add_argument("--train-seconds", type=float, default=180.0)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=None, help=f"output folder (default: {default_head_dir(DEFAULT_MODEL)})")
@@ -76,21 +126,40 @@ def main() -> None:
         tok,
     )
     prompts = [r.prompt_token_ids for r in copy] + doc_prompts(tok, ns.num_prompts - num_copy, rng)
+    prompts += stdlib_prompts(tok, ns.stdlib_prompts, rng, held_out=False)
+    held_out_prompts = stdlib_prompts(tok, ns.held_out_prompts, rng, held_out=True)
     params = SamplingParams(temperature=0.0, max_tokens=ns.max_tokens)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    sequences = [p + o.outputs[0].token_ids for p, o in zip(prompts, outputs, strict=True)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts + held_out_prompts], params)
+    generated = [p + o.outputs[0].token_ids for p, o in zip(prompts + held_out_prompts, outputs, strict=True)]
+    sequences = generated[: len(prompts)] + stdlib_windows(tok, ns.stdlib_windows, ns.window_len, rng)
+    held_out = generated[len(prompts) :]
     t_gen = time.perf_counter() - t0
-    feats = target_features(llm, sequences)
+    feats = target_features(llm, sequences + held_out)
     t_feat = time.perf_counter() - t0 - t_gen
     model_config = llm.engine.engine_core.config.model
     del llm
 
+    vocab_size = model_config.arch.vocab_size
+    counts, coverage = local_token_counts(tok, vocab_size)
+    save_counts(out, counts)
+    draft_vocabs = {n: torch.from_numpy(draft_vocab_ids(counts, n)) for n in ns.draft_vocab_sizes if n < vocab_size}
     config = hf_llama_config(model_config.arch)
     embed, lm_head = embedding_and_lm_head(model_config)
-    head, result = train_head(config, embed, lm_head, sequences, feats, ns.train_seconds, seed=ns.seed)
+    head, result = train_head(
+        config,
+        embed,
+        lm_head,
+        sequences,
+        feats[: len(sequences)],
+        ns.train_seconds,
+        seed=ns.seed,
+        held_out=(held_out, feats[len(sequences) :]) if held_out else None,
+        draft_vocabs=draft_vocabs,
+    )
     save_head(head, config, out, result)
     summary = {
         **result.__dict__,
+        "library_coverage_of_top_n": coverage,
         "generate_seconds": round(t_gen, 1),
         "features_seconds": round(t_feat, 1),
         "out": out,

@@ -280,6 +280,7 @@ class EngineArgs:
         kv_transfer = _kv_transfer_config(self.kv_transfer_config)
         if speculative is not None and speculative.method != "ngram":
             speculative = replace(speculative, draft=draft_model_config(speculative, model))
+            _check_draft_vocab(speculative)
         self._check_device_options(model)
         config = EngineConfig(
             model=model,
@@ -360,6 +361,25 @@ def _kv_transfer_config(value: dict | str | None) -> KVTransferConfig | None:
     config = KVTransferConfig.from_dict(value)
     validate(config)
     return config
+
+
+def _check_draft_vocab(spec: SpeculativeConfig) -> None:
+    """A draft vocabulary needs the token counts beside the head or draft model, and at most the whole vocabulary."""
+    if not spec.draft_vocab_size:
+        return
+    from kvserve.spec_decode.draft_vocab import counts_folder, counts_path
+
+    assert spec.draft is not None
+    vocab = spec.draft.arch.vocab_size
+    if spec.draft_vocab_size > vocab:
+        raise ValueError(
+            f"speculative_config: draft_vocab_size {spec.draft_vocab_size} exceeds the vocabulary ({vocab})"
+        )
+    if not os.path.exists(counts_path(spec.draft.path)):
+        raise ValueError(
+            f"speculative_config: draft_vocab_size needs token counts at {counts_path(spec.draft.path)} "
+            f"(run scripts/draft_vocab_counts.py --out {counts_folder(spec.draft.path)})"
+        )
 
 
 def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:

@@ -30,7 +30,18 @@ def build_proposer(
     if config.method == "draft_model":
         from kvserve.spec_decode.draft_model import DraftModelProposer
 
-        return DraftModelProposer(config.draft, k, block_size, max_model_len, generator)
+        return DraftModelProposer(config.draft, k, block_size, max_model_len, generator, config.draft_vocab_size)
     from kvserve.spec_decode.eagle import EagleProposer
 
-    return EagleProposer(config.draft.path, target, backend, k, block_size, dtype, max_model_len, generator, device)
+    return EagleProposer(
+        config.draft.path,
+        target,
+        backend,
+        k,
+        block_size,
+        dtype,
+        max_model_len,
+        generator,
+        device,
+        config.draft_vocab_size,
+    )

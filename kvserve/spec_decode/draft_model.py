@@ -13,6 +13,7 @@ from kvserve.attention.selector import get_attn_backend
 from kvserve.config import ModelConfig
 from kvserve.loader.model_loader import load_model
 from kvserve.spec_decode.base import DraftStepInputs
+from kvserve.spec_decode.draft_vocab import DraftVocab
 from kvserve.spec_decode.model_proposer import ModelProposer
 
 
@@ -24,7 +25,10 @@ class DraftModelProposer(ModelProposer):
         block_size: int,
         max_model_len: int,
         generator: torch.Generator,
+        draft_vocab_size: int = 0,
     ) -> None:
+        """`draft_vocab_size` > 0: the drafts' logits cover only that many most frequent tokens (draft_vocab.py;
+        the counts file is beside the draft model)."""
         arch = draft_config.arch
         dtype = getattr(torch, draft_config.dtype)
         # The draft config carries the target's device and attention backend choice (draft_model_config).
@@ -50,6 +54,8 @@ class DraftModelProposer(ModelProposer):
             generator,
             device,
         )
+        if draft_vocab_size:
+            self.draft_vocab = DraftVocab(self.model, draft_config.path, draft_vocab_size, dtype, device)
 
     @property
     def mirror_gives_first_draft(self) -> bool:
@@ -65,4 +71,6 @@ class DraftModelProposer(ModelProposer):
         self, token_ids: torch.Tensor, positions: np.ndarray, attn_metadata: object, features: torch.Tensor | None
     ) -> tuple[torch.Tensor, None]:
         hidden = self.model(token_ids, self.to_device(positions), self.kv_caches, attn_metadata)
+        if self.draft_vocab is not None:
+            return self.draft_vocab.logits(self.model.model.norm(hidden)), None
         return self.model.compute_logits(hidden), None

@@ -13,6 +13,7 @@ used). The layer has the target's shape (hidden size, heads, intermediate size).
 Per target step: the head runs over the target's step positions with the inputs shifted by one (its KV mirrors
 the target's, see kvserve.spec_decode.model_proposer); the row of each request's last accepted position gives the
 first draft, and K - 1 single-token steps feed each draft back with the head's own output as the feature.
+With `draft_vocab_size` the LM head of the drafts covers the most frequent tokens only (draft_vocab.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvserve.loader.default_model import cache_dir
 from kvserve.loader.safetensors_weights import iterate_safetensors
 from kvserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, load_fused_weights
 from kvserve.spec_decode.base import DraftStepInputs
+from kvserve.spec_decode.draft_vocab import DraftVocab
 from kvserve.spec_decode.model_proposer import ModelProposer
 
 _IGNORED = ("layers.0.input_layernorm.weight", "embed_tokens.weight", "lm_head.weight")
@@ -118,7 +120,10 @@ class EagleProposer(ModelProposer):
         max_model_len: int,
         generator: torch.Generator,
         device: torch.device,
+        draft_vocab_size: int = 0,
     ) -> None:
+        """`draft_vocab_size` > 0: the drafts' logits cover only that many most frequent tokens (draft_vocab.py;
+        the counts file is in `head_dir`)."""
         cfg = target.config
         self.head = load_eagle_head(head_dir, cfg, backend, dtype, device)
         self.target = target
@@ -135,6 +140,8 @@ class EagleProposer(ModelProposer):
             generator,
             device,
         )
+        if draft_vocab_size:
+            self.draft_vocab = DraftVocab(target, head_dir, draft_vocab_size, dtype, device)
 
     reads_target_hidden = True
 
@@ -165,4 +172,6 @@ class EagleProposer(ModelProposer):
         return self._logits(out), out
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        if self.draft_vocab is not None:
+            return self.draft_vocab.logits(features)
         return self.target.lm_head(features).float()

@@ -20,7 +20,7 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -64,6 +64,11 @@ class TrainResult:
     train_seconds: float
     final_loss: float
     top1_accuracy: float  # held-out: argmax of the head's logits == the target's argmax at i + 1
+    # Held-out, per draft vocabulary size N: the same with the head's argmax over the N most frequent tokens only
+    # (kvserve.spec_decode.draft_vocab), and how often the target's argmax is among them (the ceiling).
+    top1_by_draft_vocab: dict[int, float] = field(default_factory=dict)
+    target_in_draft_vocab: dict[int, float] = field(default_factory=dict)
+    num_held_out_tokens: int = 0
 
 
 def hf_llama_config(arch):
@@ -135,8 +140,12 @@ def train_head(
     noise: float = 0.05,
     ce_weight: float = 0.5,
     seed: int = 0,
+    held_out: tuple[list[list[int]], list[torch.Tensor]] | None = None,
+    draft_vocabs: dict[int, torch.Tensor] | None = None,
 ) -> tuple[EagleReference, TrainResult]:
-    """Fit a head on all but a held-out tenth of the sequences for about `train_seconds` of wall time."""
+    """Fit a head for about `train_seconds` of wall time on all the sequences, scored on `held_out` (sequences,
+    features); without it, on all but a held-out tenth of the sequences, scored on that tenth. `draft_vocabs`:
+    N -> the ids of a draft vocabulary of N tokens, also scored."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     embed = nn.Embedding.from_pretrained(embed_weight)
@@ -155,8 +164,13 @@ def train_head(
         layer.mlp.down_proj.weight.zero_()
     order = list(range(len(sequences)))
     rng.shuffle(order)
-    num_val = max(1, len(order) // 10)
-    val, train = order[:num_val], order[num_val:]
+    if held_out is None:
+        num_val = max(1, len(order) // 10)
+        val, train = order[:num_val], order[num_val:]
+        val_sequences, val_features = [sequences[i] for i in val], [features[i] for i in val]
+    else:
+        train = order
+        val_sequences, val_features = held_out
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     start = time.perf_counter()
     epochs = 0
@@ -179,9 +193,14 @@ def train_head(
             if n % 20 == 0:
                 logger.info("epoch %d seq %d/%d loss %.4f (%.0fs)", epochs, n, len(train), loss_value, elapsed)
         epochs += 1
-    accuracy = _top1(head, embed, lm_head, [sequences[i] for i in val], [features[i] for i in val])
+    seconds = time.perf_counter() - start
+    scores = top1_agreement(head, embed, lm_head, val_sequences, val_features, draft_vocabs or {})
     num_tokens = sum(len(s) for s in sequences)
-    return head, TrainResult(len(sequences), num_tokens, epochs, time.perf_counter() - start, loss_value, accuracy)
+    result = TrainResult(len(sequences), num_tokens, epochs, seconds, loss_value, scores.pop("full"))
+    for n, (hit, inside) in scores.items():
+        result.top1_by_draft_vocab[n], result.target_in_draft_vocab[n] = hit, inside
+    result.num_held_out_tokens = sum(len(s) - 1 for s in val_sequences)
+    return head, result
 
 
 def _inputs(embed, seq: list[int], feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,15 +224,29 @@ def _loss(
 
 
 @torch.no_grad()
-def _top1(head, embed, lm_head, sequences, features) -> float:
+def top1_agreement(head, embed, lm_head, sequences, features, draft_vocabs: dict[int, torch.Tensor]) -> dict:
+    """How often the head's argmax is the target's at i + 1, over every position: {"full": rate} and, per draft
+    vocabulary N -> (rate with the head's argmax over those ids only, rate of target argmaxes among them)."""
     hits = total = 0
+    sub_hits = {n: 0 for n in draft_vocabs}
+    inside = {n: 0 for n in draft_vocabs}
+    masks = {}
+    for n, ids in draft_vocabs.items():
+        masks[n] = torch.zeros(lm_head.weight.shape[0], dtype=torch.bool)
+        masks[n][ids] = True
     for seq, feats in zip(sequences, features, strict=True):
         e, f = _inputs(embed, seq, feats)
-        pred = lm_head(head(e, f))[0].argmax(-1)
+        logits = lm_head(head(e, f))[0]
         want = lm_head(feats[1:]).argmax(-1)
-        hits += int((pred == want).sum())
+        hits += int((logits.argmax(-1) == want).sum())
         total += len(want)
-    return hits / max(total, 1)
+        for n, ids in draft_vocabs.items():
+            sub_hits[n] += int((ids[logits[:, ids].argmax(-1)] == want).sum())
+            inside[n] += int(masks[n][want].sum())
+    out: dict = {"full": hits / max(total, 1)}
+    for n in draft_vocabs:
+        out[n] = (sub_hits[n] / max(total, 1), inside[n] / max(total, 1))
+    return out
 
 
 def save_head(head: EagleReference, hf_config, folder: str, result: TrainResult) -> None:

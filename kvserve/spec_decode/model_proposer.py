@@ -38,6 +38,7 @@ import xxhash
 from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
 from kvserve.sample.sampler import Sampler, SamplingMetadata
 from kvserve.spec_decode.base import DraftProposal, DraftStepInputs, Proposer
+from kvserve.spec_decode.draft_vocab import DraftVocab
 from kvserve.worker.input_batch import InputBatch, RequestState
 from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from kvserve.worker.sampling_inputs import build_sampling_metadata
@@ -83,6 +84,9 @@ class ModelProposer(Proposer):
         # target's hidden rows of the positions since, to catch up on when they are given drafts again.
         self._behind: dict[str, int] = {}
         self._skipped_hidden: dict[str, list[torch.Tensor]] = {}
+        # A frequency-ranked draft vocabulary (draft_vocab.py), set by the subclass: then `mirror` and `decode`
+        # return logits over its columns, and the drafted columns map back to full ids here.
+        self.draft_vocab: DraftVocab | None = None
 
     def bytes_per_block(self) -> int:
         """What one block of the proposer's pool takes: the target's KV budget pays for both pools."""
@@ -115,8 +119,8 @@ class ModelProposer(Proposer):
     def decode(
         self, token_ids: torch.Tensor, positions: np.ndarray, attn_metadata: object, features: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft step of single-token queries: token_ids [A] at positions [A] -> (logits [A, V] fp32,
-        features [A, ...] for the next step or None)."""
+        """One draft step of single-token queries: token_ids [A] at positions [A] -> (logits [A, V] fp32, or
+        [A, N] over `draft_vocab`'s columns when it is set; features [A, ...] for the next step or None)."""
 
     # True when `mirror` reads the target's hidden states of the positions (EAGLE): the proposer then keeps them
     # for the positions it skips, to catch up on later.
@@ -169,7 +173,8 @@ class ModelProposer(Proposer):
         logits, features = self.mirror(step, last_rows)
         if not num_s:
             return DraftProposal([], [], num_pass_requests=len(step.rows))
-        sampling = _DraftSampling(states, batch, self.vocab_size, self.generator, self.device)
+        width = self.vocab_size if self.draft_vocab is None else self.draft_vocab.size
+        sampling = _DraftSampling(states, batch, width, self.generator, self.device)
         drafts = np.zeros((num_s, self.k), dtype=np.int64)
         num_drafts = np.zeros(num_s, dtype=np.int64)
         probs = torch.zeros(num_s, self.k, self.vocab_size, device=self.device) if sampling.any_random else None
@@ -377,13 +382,14 @@ class ModelProposer(Proposer):
     def _draw(
         self,
         sampling: _DraftSampling,
-        logits: torch.Tensor,  # [A, V]
+        logits: torch.Tensor,  # [A, V], or [A, N] over the draft vocabulary's columns
         active: np.ndarray,  # [A] indices into the sampling requests
         token_index: np.ndarray,  # [A] sequence index of the token being drafted
         drafts: np.ndarray,  # [S, K] filled in place
         num_drafts: np.ndarray,  # [S] advanced in place
         probs: torch.Tensor | None,  # [S, K, V] filled in place for random rows
     ) -> torch.Tensor:
+        """Draw each active request's next draft; returns its full vocabulary ids [A]."""
         tokens = logits.argmax(dim=-1)
         if probs is not None:
             random_rows = np.flatnonzero(~sampling.greedy[active])
@@ -393,7 +399,15 @@ class ModelProposer(Proposer):
                 transformed = self.sampler.apply_transforms(logits[rows_t], sampling.metadata(sel))
                 keys = sampling.keys(sel, token_index[random_rows]).to(self.device)
                 tokens[rows_t] = self.sampler.gumbel(transformed, keys)
-                probs[self.to_device(sel), self.to_device(num_drafts[sel])] = torch.softmax(transformed.float(), dim=-1)
+                q = torch.softmax(transformed.float(), dim=-1)
+                sel_t, num_t = self.to_device(sel), self.to_device(num_drafts[sel])
+                if self.draft_vocab is None:
+                    probs[sel_t, num_t] = q
+                else:
+                    # q is zero outside the draft vocabulary (the rows start zero).
+                    probs[sel_t[:, None], num_t[:, None], self.draft_vocab.token_ids[None, :]] = q
+        if self.draft_vocab is not None:
+            tokens = self.draft_vocab.token_ids[tokens]
         drafts[active, num_drafts[active]] = tokens.cpu().numpy()
         num_drafts[active] += 1
         return tokens

@@ -41,10 +41,11 @@ def metadata(num_rows: int, seed: int, **kw) -> SamplingMetadata:
     return md(num_rows, generator=torch.Generator().manual_seed(seed), **kw)
 
 
-def run(k: int, batch: int, full_q: bool, seed: int, truncate: dict | None = None):
-    """`batch` requests with k drafts each drawn from Q; returns (output ids [B, k + 1], counts [B])."""
+def run(k: int, batch: int, full_q: bool, seed: int, truncate: dict | None = None, q: torch.Tensor = Q):
+    """`batch` requests with k drafts each drawn from `q` (Q by default); returns (output ids [B, k + 1], counts
+    [B])."""
     g = torch.Generator().manual_seed(seed)
-    source = Q if full_q else ONE_HOT_DRAFTS
+    source = q if full_q else ONE_HOT_DRAFTS
     drafts = torch.stack([torch.multinomial(source[j], batch, replacement=True, generator=g) for j in range(k)], 1)
     positions = list(range(k)) + [len(P) - 1]  # drafts' positions, then the bonus position
     logits = P[positions].log().repeat(batch, 1)  # [B * (k + 1), V], request-major
@@ -59,7 +60,7 @@ def run(k: int, batch: int, full_q: bool, seed: int, truncate: dict | None = Non
     inputs = DraftInputs(
         draft_token_ids=drafts,
         num_draft_tokens=torch.full((batch,), k, dtype=torch.int64),
-        draft_probs=Q[:k].expand(batch, k, VOCAB).contiguous() if full_q else None,
+        draft_probs=q[:k].expand(batch, k, VOCAB).contiguous() if full_q else None,
     )
     out = RejectionSampler(Sampler())(logits, md, inputs)
     return out.output_token_ids, out.num_output_tokens
@@ -110,6 +111,27 @@ def test_output_distribution_matches_target(k, full_q, truncate):
     for j, position in enumerate(positions):
         reached = num_out > j
         check_position(out[reached, j], expected(position, truncate))
+
+
+# A draft over part of the vocabulary (kvserve.spec_decode.draft_vocab): q is zero outside it, at position 3
+# at the target's favourite token (3).
+Q_SUBSET = torch.tensor(
+    [
+        [0.6, 0.25, 0.15, 0.0, 0.0, 0.0],
+        [0.1, 0.7, 0.2, 0.0, 0.0, 0.0],
+        [0.0, 0.15, 0.75, 0.1, 0.0, 0.0],
+        [0.6, 0.0, 0.0, 0.0, 0.2, 0.2],
+    ]
+)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_output_distribution_matches_target_with_draft_over_a_subset(k):
+    """q = 0 outside the draft's subset: the tokens outside come from the residual max(0, p - q) = p alone."""
+    out, num_out = run(k, {1: 40_000, 4: 100_000}[k], full_q=True, seed=70 + k, q=Q_SUBSET)
+    positions = list(range(k)) + [len(P) - 1]
+    for j, position in enumerate(positions):
+        check_position(out[num_out > j, j], expected(position, None))
 
 
 def test_chi_square_rejects_a_wrong_sampler():

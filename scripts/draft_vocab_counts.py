@@ -1,0 +1,37 @@
+"""Count token frequencies over local text for a frequency-ranked draft vocabulary (kvserve.spec_decode.draft_vocab).
+
+    PYTHONPATH=. python scripts/draft_vocab_counts.py [--model smollm2-135m-instruct] [--out FOLDER]
+
+Text: the training part of the Python standard library (kvserve.spec_decode.local_text: docstrings and source of
+every module not held out). The tokenizer's special tokens (EOS, the chat template's markers) never occur in that
+text but end every reply, so they are ranked first. Writes FOLDER/token_counts.npy ([vocab] int64); FOLDER is
+the EAGLE head's folder by default (scripts/train_eagle_head.py writes the same file beside the head it fits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvserve.loader.default_model import DEFAULT_MODEL, resolve_model_path
+from kvserve.loader.tokenizer import load_tokenizer
+from kvserve.spec_decode.draft_vocab import save_counts
+from kvserve.spec_decode.eagle import default_head_dir
+from kvserve.spec_decode.local_text import local_token_counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="the model whose tokenizer counts (path or name)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's length")
+    ap.add_argument("--out", default=None, help=f"output folder (default: {default_head_dir(DEFAULT_MODEL)})")
+    ns = ap.parse_args()
+    tok = load_tokenizer(resolve_model_path(ns.model))
+    vocab_size = ns.vocab_size or len(tok)
+    counts, coverage = local_token_counts(tok, vocab_size)
+    path = save_counts(ns.out or default_head_dir(ns.model), counts)
+    print(json.dumps({"out": path, "coverage_of_top_n": coverage}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
