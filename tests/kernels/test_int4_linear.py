@@ -57,12 +57,15 @@ def test_integer_outputs_are_exact(k, n, rows):
     (1 row, panel groups and single panels), the GEMM tiles and their tails, N not a multiple of a panel."""
     g = torch.Generator().manual_seed(k * n + rows)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    codes[0] = 15  # the largest products: 15 * 127 in every pair, int16 block sums at their bound
+    codes[0] = 15  # the largest products, 15 * 127: see row 0 below
     ones = torch.ones(n, k // 32)
     packed = pack_int4_weight(codes, ones, torch.full_like(ones, -8.0))
     xi = torch.randint(-127, 128, (rows, k), generator=g)
     xi.view(rows, -1, 32)[:, :, 0] = 127
-    xi[0] = 127
+    # Row 0: 127 at every k with k % 4 in (0, 1), the 16 products of one int16 lane per block in vpmaddubsw's pairing:
+    # against channel 0's all-15 codes that lane sums 16 * 15 * 127 = 30,480 (the int16 bound). The other k stay
+    # random, so that a wrong nibble or byte order changes the result.
+    xi[0].view(-1, 4)[:, :2] = 127
     want = (xi.long() @ (codes.long() - 8).t()).float()
     assert torch.equal(kernels.int4_linear(xi.float(), packed, n), want)
     assert torch.equal(kernels.int4_linear(xi.bfloat16(), packed, n), want)  # |x| <= 127 is exact in bf16
