@@ -59,7 +59,8 @@ class ModelConfig:
     max_model_len: int
     arch: ArchConfig
     seed: int = 0
-    quantization: str | None = None  # resolved: "int8" (int8 linears and LM head) or None (weights in dtype)
+    # resolved: "int8" (int8 linears and LM head), "int4" (4-bit block linears) or None (weights in dtype)
+    quantization: str | None = None
     device: str = "cpu"  # resolved: "cpu" or "cuda[:N]"
     # "auto": the checkpoint's weights; "dummy": random weights of the right shapes, no checkpoint read (vLLM's
     # name; for benchmarks of model shapes whose weights are not at hand).

@@ -144,6 +144,7 @@ def _op_timers():
     from kvserve.layers.activation import SiluAndMul
     from kvserve.layers.linear import Linear
     from kvserve.layers.norm import RMSNorm
+    from kvserve.layers.quant.int4_linear import Int4Linear
     from kvserve.layers.quant.int8_linear import Int8Linear
     from kvserve.layers.rotary import RotaryEmbedding
 
@@ -151,6 +152,7 @@ def _op_timers():
     patched = [
         (Linear, "forward", "linear"),
         (Int8Linear, "forward", "linear"),
+        (Int4Linear, "forward", "linear"),
         (CpuKernelAttentionBackend, "forward", "attention"),
         (TorchRefAttentionBackend, "forward", "attention"),
         (RMSNorm, "forward", "rmsnorm"),

@@ -91,14 +91,15 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
 
 def resolve_quantization(quantization: str | None, gguf_path: str | None) -> str | None:
     """`auto`: int8 for a GGUF whose layer matrices are quantized (a 4-bit file should give a small, fast engine,
-    not a 4x larger float one); None (weights in `dtype`) for float GGUFs and HF folders. `none`/None: off."""
+    not a 4x larger float one); None (weights in `dtype`) for float GGUFs and HF folders. `none`/None: off.
+    `int4`: 4-bit blocks; a GGUF's Q4_0 / Q4_1 tensors as stored, others quantized (kvserve/layers/quant/apply.py)."""
     name = "none" if quantization is None else str(quantization).lower()
     if name == "auto":
         return "int8" if gguf_path is not None and gguf_linears_quantized(gguf_path) else None
     if name == "none":
         return None
-    if name != "int8":
-        raise ValueError(f"unsupported quantization {quantization!r}; use one of auto, int8, none")
+    if name not in ("int8", "int4"):
+        raise ValueError(f"unsupported quantization {quantization!r}; use one of auto, int8, int4, none")
     return name
 
 
@@ -121,7 +122,7 @@ class EngineArgs:
     optional CPU list to pin them to, e.g. "0-3" (kvserve/threads.py).
     speculative_config: a dict (or its JSON) with vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens":
     4} (config.SpeculativeConfig).
-    quantization: "int8", "none" or "auto" (int8 for a quantized GGUF), see resolve_quantization.
+    quantization: "int8", "int4", "none" or "auto" (int8 for a quantized GGUF), see resolve_quantization.
     preemption_mode: "recompute" (default) or "swap" (a preempted request's KV goes to `swap_space` bytes of CPU
     memory and comes back; recompute when that is full). swap_space: bytes or "4GiB" (default 1 GiB with swap).
     kv_transfer_config: a KV connector, a dict (or its JSON) such as {"kv_connector": "offload", "cpu_bytes":
@@ -471,9 +472,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--quantization",
-        choices=["auto", "int8", "none"],
+        choices=["auto", "int8", "int4", "none"],
         default=d.quantization,
-        help="int8: int8 linear layers and LM head; auto: int8 for a quantized GGUF, else none; none (default)",
+        help="int8: int8 linear layers and LM head; int4: 4-bit blocks (a GGUF's Q4_0/Q4_1 tensors as stored); "
+        "auto: int8 for a quantized GGUF, else none; none (default)",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for requests without their own")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")

@@ -69,7 +69,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "quantization with tensor_parallel_size > 1",
         lambda c: _tp(c) and c.model.quantization is not None,
-        "the int8 panels are packed for a whole weight, not for a rank's slice, yet",
+        "the int8 and int4 panels are packed for a whole weight, not for a rank's slice, yet",
     ),
     Rule(
         "draft-model or EAGLE speculation with tensor_parallel_size > 1",
@@ -84,7 +84,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "quantization on the GPU",
         lambda c: _gpu(c) and c.model.quantization is not None,
-        "not supported on the GPU yet: quantization {quantization} (CPU int8 kernels)",
+        "not supported on the GPU yet: quantization {quantization} (CPU int8 / int4 kernels)",
     ),
     Rule(
         "a CPU attention backend on the GPU",

@@ -1,6 +1,6 @@
 """JIT-built C++ kernels for the CPU (torch.utils.cpp_extension; needs a C++ compiler and ninja): paged
-attention (standard and pair-packed bf16 KV layouts), categorical sampling, the elementwise ops, the fp32/bf16 and
-int8 linear layers and the fused decoder layer.
+attention (standard and pair-packed bf16 KV layouts), categorical sampling, the elementwise ops, the fp32/bf16,
+int8 and int4 linear layers and the fused decoder layer.
 
 Built once per machine, source version and ISA level (kvserve.platform: generic, avx2, avx512, avx512_bf16) into
 torch's extension cache (~45 s the first time). The level is in the library's name and picks its compiler flags,
@@ -35,6 +35,7 @@ _SOURCES = [
         "linear_bf16.cpp",
         "quant.cpp",
         "int8_linear.cpp",
+        "int4_linear.cpp",
         "decoder_layer.cpp",
     )
 ]

@@ -109,3 +109,36 @@ def iterate_gguf(path: str, cfg: ArchConfig) -> Iterator[tuple[str, torch.Tensor
         if not w.flags.writeable:  # F32 tensors come back as views of the read-only memory map
             w = w.copy()
         yield name, torch.from_numpy(w)
+
+
+Q4_TYPES = ("Q4_0", "Q4_1")
+
+
+def iterate_gguf_q4_blocks(path: str, cfg: ArchConfig) -> Iterator[tuple[str, tuple[torch.Tensor, ...]]]:
+    """The file's Q4_0 / Q4_1 matrices as stored, HF-named: (codes uint8 [rows, cols] in 0..15, d, m fp32
+    [rows, cols / 32]) with w = d * codes + m per block of 32 (Q4_0: codes = q + 8, m = -8 d, exactly), rows in the
+    order `iterate_gguf` gives (q/k un-permuted). d * codes + m is bitwise gguf.quants.dequantize's value."""
+    from kvserve.loader.gguf_blocks import decode_blocks
+
+    reader = _reader(path)
+    permuted = reader.fields["general.architecture"].contents() == "llama"
+    for t in reader.tensors:
+        if t.tensor_type.name not in Q4_TYPES or len(t.shape) != 2:
+            continue
+        shape = (int(t.shape[1]), int(t.shape[0]))  # gguf lists dims innermost first
+        blocks = decode_blocks(t.data, t.tensor_type.name, shape)
+        codes, d = blocks.codes, blocks.scale
+        if blocks.offset is None:  # Q4_0: d * q with q in -8..7
+            codes, m = (codes + np.int8(8)).astype(np.uint8), np.float32(-8.0) * d
+        else:
+            codes, m = codes.astype(np.uint8), blocks.offset
+        name = hf_name(t.name)
+        heads = None
+        if permuted and name.endswith("q_proj.weight"):
+            heads = cfg.num_attention_heads
+        elif permuted and name.endswith("k_proj.weight"):
+            heads = cfg.num_key_value_heads
+        parts = [codes, d, m]
+        if heads is not None:  # a row permutation: blocks run along the columns, so they move with their rows
+            parts = [undo_rope_permutation(a, heads) for a in parts]
+        yield name, tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in parts)

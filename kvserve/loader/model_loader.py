@@ -9,7 +9,7 @@ import torch
 from kvserve.attention.base import AttentionBackend
 from kvserve.config import ModelConfig
 from kvserve.layers.quant.apply import quantize_linears
-from kvserve.loader.gguf_weights import iterate_gguf
+from kvserve.loader.gguf_weights import iterate_gguf, iterate_gguf_q4_blocks
 from kvserve.loader.safetensors_weights import iterate_safetensors
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.registry import get_model_class
@@ -48,7 +48,11 @@ def load_model(model_config: ModelConfig, backend: AttentionBackend) -> LlamaFor
             weights = iterate_safetensors(model_config.path)
         model.load_weights(weights)
     if model_config.quantization is not None:
-        quantize_linears(model, model_config.quantization)
+        q4_blocks = None
+        stored = model_config.format == "gguf" and model_config.load_format != "dummy"
+        if model_config.quantization == "int4" and stored:  # keep the file's own 4-bit blocks
+            q4_blocks = dict(iterate_gguf_q4_blocks(model_config.path, model_config.arch))
+        quantize_linears(model, model_config.quantization, q4_blocks)
     model.prepare_for_inference()
     model.eval()
     model.requires_grad_(False)

@@ -31,6 +31,7 @@ from kvserve.layers.parallel_linear import (
     RowParallelLinear,
     default_weight_loader,
 )
+from kvserve.layers.quant.int4_linear import Int4Linear
 from kvserve.layers.quant.int8_linear import Int8Linear
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
@@ -43,8 +44,9 @@ _PANEL_LINEAR_TYPES = (QKVParallelLinear, RowParallelLinear, MergedColumnParalle
 
 def _fused_linear_spec(m: nn.Module) -> list[torch.Tensor] | None:
     """A linear as the fused C++ layer takes it ([float or bf16 pair panels], or an int8 layer's panels, scales,
-    column sums and rotation signs), or None where the fused layer cannot run it (no panels; sharded over ranks)."""
-    if isinstance(m, Int8Linear):
+    column sums and rotation signs, or an int4 layer's packed blocks), or None where the fused layer cannot run it
+    (no panels; sharded over ranks)."""
+    if isinstance(m, (Int8Linear, Int4Linear)):
         return m.fused_spec() if m.impl == "cpu" else None
     if type(m) not in _PANEL_LINEAR_TYPES or m._panels is None or m.tp.world_size != 1:
         return None
@@ -122,7 +124,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def prepare_fused(self) -> None:
         """After packing: use kernels/csrc/decoder_layer.cpp for this layer if every op of it runs on the C++
-        kernels with panel weights (fp32, bf16, or int8), on one rank, without Qwen3's q/k norms. The C++ layer
+        kernels with panel weights (fp32, bf16, int8 or int4), on one rank, without Qwen3's q/k norms. The C++ layer
         calls the same kernels in the same order, so results are bitwise the module path's."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

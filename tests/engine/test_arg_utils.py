@@ -64,7 +64,12 @@ def test_quantization_resolution(smollm2_gguf, tiny_model_factory):
     assert resolve_quantization("auto", None) is None  # an HF folder keeps its dtype
     assert resolve_quantization("INT8", None) == "int8"
     assert resolve_quantization("none", smollm2_gguf) is None and resolve_quantization(None, smollm2_gguf) is None
+    assert resolve_quantization("int4", smollm2_gguf) == "int4" and resolve_quantization("INT4", None) == "int4"
     with pytest.raises(ValueError, match="unsupported quantization"):
-        resolve_quantization("int4", None)
+        resolve_quantization("int3", None)
     cfg = EngineArgs(model=tiny_model_factory("llama-gqa-untied"), quantization="auto").create_engine_config()
     assert cfg.model.quantization is None
+    # the quantized panels are packed for a whole weight: no tensor parallelism
+    for quant in ("int8", "int4"):
+        with pytest.raises(ValueError, match="quantization with tensor_parallel_size > 1: the int8 and int4 panels"):
+            EngineArgs(model=smollm2_gguf, quantization=quant, tensor_parallel_size=2).create_engine_config()

@@ -30,6 +30,9 @@ std::tuple<at::Tensor, at::Tensor> pack_int8_weight(at::Tensor codes);
 at::Tensor unpack_int8_weight(at::Tensor panels, int64_t n, int64_t k);
 at::Tensor int8_linear(at::Tensor x, at::Tensor panels, at::Tensor scale, at::Tensor colsum, int64_t n,
                        c10::optional<at::Tensor> signs, c10::optional<at::Tensor> bias, at::ScalarType out_dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_quantize_rows(at::Tensor x);
+at::Tensor int4_linear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias,
+                       at::ScalarType out_dtype);
 std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::optional<at::Tensor> residual,
                                                        std::vector<at::Tensor> norms,
                                                        std::vector<std::vector<at::Tensor>> linears,
@@ -73,6 +76,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "W8A8 linear: rows quantized per token, int8 panels, rescaled output",
         py::arg("x"), py::arg("panels"), py::arg("scale"), py::arg("colsum"), py::arg("n"),
         py::arg("signs") = py::none(), py::arg("bias") = py::none(), py::arg("out_dtype") = at::kFloat);
+  m.def("int4_quantize_rows", &int4_quantize_rows, "int4 linear input: rows to int8 per block of 32 (q, dx, mx)");
+  m.def("int4_linear", &int4_linear, "4-bit block linear: Q4 panels, rows quantized per block of 32", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("out_dtype") = at::kFloat);
   m.def("llama_decoder_layer", &llama_decoder_layer, "a whole Llama decoder layer over kernel-attention rows");
   m.def("sample_gumbel", &sample_gumbel, "one categorical draw per row of logits (Gumbel-max, hashed noise)");
   m.def("topk_rows", &topk_rows, "each row's k largest entries, largest first, ties to the lower index");

@@ -20,6 +20,8 @@ at::Tensor linear_packed(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<a
 at::Tensor linear_bf16_pairs(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
 at::Tensor int8_linear(at::Tensor x, at::Tensor panels, at::Tensor scale, at::Tensor colsum, int64_t n,
                        c10::optional<at::Tensor> signs, c10::optional<at::Tensor> bias, at::ScalarType out_dtype);
+at::Tensor int4_linear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias,
+                       at::ScalarType out_dtype);
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window,
                                   c10::optional<at::Tensor> alibi_slopes);
@@ -31,9 +33,11 @@ namespace {
 
 // One linear layer as the module path runs it: [panels] (float panels [P, K, width], linear.cpp; bf16 pair panels
 // [P, K / 2, width, 2], linear_bf16.cpp) or [panels, scale, colsum] / [panels, scale, colsum, signs] (int8,
-// int8_linear.cpp; signs when the codes are rotated). Output in x's dtype.
+// int8_linear.cpp; signs when the codes are rotated) or [packed] uint8 (4-bit blocks, int4_linear.cpp). Output in
+// x's dtype.
 at::Tensor apply_linear(const at::Tensor& x, const std::vector<at::Tensor>& w, int64_t n,
                         c10::optional<at::Tensor> bias) {
+  if (w.size() == 1 && w[0].scalar_type() == at::kByte) return int4_linear(x, w[0], n, bias, x.scalar_type());
   if (w.size() == 1) return w[0].dim() == 4 ? linear_bf16_pairs(x, w[0], n, bias) : linear_packed(x, w[0], n, bias);
   TORCH_CHECK(w.size() == 3 || w.size() == 4, "llama_decoder_layer: a linear is [panels] or int8 [panels, scale, "
               "colsum(, signs)]");
