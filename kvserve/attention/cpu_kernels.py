@@ -13,7 +13,9 @@ how its prompt was cut.
 
 With a bf16 cache on a CPU with AVX512-BF16, the cache blocks hold the pair-packed layout of
 kernels/csrc/kv_layout.h (same block size and place, another order inside), which the packed kernel reads with
-about half the instructions per cached token, and which is faster than SDPA for chunks of every size.
+about half the instructions per cached token, and which is faster than SDPA for chunks of every size. An fp8 cache
+of a bf16 model holds the same tiles at one byte an element where the CPU also has AVX512-VBMI (widened exactly to
+bf16 as they are read, kernels/csrc/packed_decode.h), else the standard layout.
 """
 
 from __future__ import annotations

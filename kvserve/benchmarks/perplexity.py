@@ -91,7 +91,9 @@ def main(ns: argparse.Namespace) -> int:
     from kvserve.engine.llm import LLM
 
     docs = stdlib_docstrings()
-    prompts = [" ".join(d.split()[:12]) for d in docs[-ns.num_prompts :]]
+    # The last num_prompts docstrings give the greedy prompts, the others the scored text (docs[-0:] would be all).
+    split = len(docs) - ns.num_prompts
+    prompts = [" ".join(d.split()[:12]) for d in docs[split:]]
     results = []
     reference_outputs = None
     for mode in ns.modes:
@@ -106,8 +108,11 @@ def main(ns: argparse.Namespace) -> int:
             print(platform_line(llm.engine.config.model.dtype))
             print(f"text: {len(docs)} docstrings of the Python {sys.version.split()[0]} standard library")
         tok = llm.get_tokenizer()
-        ids = tok.encode("\n\n".join(docs[: -ns.num_prompts]))
+        ids = tok.encode("\n\n".join(docs[:split]))
         windows = [ids[i : i + ns.window] for i in range(0, ns.num_windows * ns.window, ns.window)]
+        windows = [w for w in windows if len(w) >= 2]  # past the text's end: nothing to score
+        if len(windows) < ns.num_windows:
+            print(f"the text holds {len(windows)} windows of up to {ns.window} tokens, not {ns.num_windows}")
         total, count = 0.0, 0
         for w in windows:
             nll, n = window_nll(llm, w)
@@ -129,7 +134,7 @@ def main(ns: argparse.Namespace) -> int:
         print(
             f"{mode:<16} perplexity {row['perplexity']:.3f} over {count} tokens; weights {row['weight_mib']:.0f} MiB; "
             f"greedy vs {ns.modes[0]}: {full}/{len(agree)} prompts identical over {ns.agree_len} tokens, "
-            f"mean common prefix {sum(agree) / len(agree):.1f}"
+            f"mean common prefix {sum(agree) / max(1, len(agree)):.1f}"
         )
         del llm
         gc.collect()
