@@ -14,7 +14,6 @@ tokens (of --agree-len) each mode shares with the first mode's output.
 from __future__ import annotations
 
 import argparse
-import ast
 import gc
 import json
 import math
@@ -30,21 +29,13 @@ from kvserve.engine.arg_utils import EngineArgs, add_cli_args
 
 def stdlib_docstrings(min_chars: int = 200) -> list[str]:
     """Docstrings of at least `min_chars` from the standard library's top-level modules, in a fixed order."""
+    from kvserve.spec_decode.local_text import docstrings
+
     root = sysconfig.get_paths()["stdlib"]
     texts = []
     for name in sorted(os.listdir(root)):
-        if not name.endswith(".py"):
-            continue
-        try:
-            with open(os.path.join(root, name), encoding="utf-8") as f:
-                tree = ast.parse(f.read())
-        except (SyntaxError, UnicodeDecodeError, OSError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= min_chars:
-                    texts.append(doc)
+        if name.endswith(".py"):
+            texts.extend(docstrings(os.path.join(root, name), min_chars))
     return texts
 
 
