@@ -5,6 +5,7 @@ fp8 caches have no scale (vLLM's uncalibrated default, k_scale = v_scale = 1.0):
 rounded to nearest even and saturated to the format's largest finite value (e4m3: 448, e5m2: 57344); NaN is stored
 as 0 (as the bf16/fp32 caches do, so that one broken request cannot poison the blocks others reuse). Reads widen
 exactly. `quantize_kv` is that store in torch: the reference the C++ and Triton write kernels are tested against.
+What the cache stores of the keys is centred first (key_centering.py), which no reader needs to know.
 """
 
 from __future__ import annotations

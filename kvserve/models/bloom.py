@@ -50,6 +50,8 @@ class BloomAttention(nn.Module):
         # [num_heads] fp32, this rank's heads; a buffer so that it follows the model's device.
         self.register_buffer("alibi_slopes", slopes.contiguous().to(torch.get_default_device()), persistent=False)
         self.backend = backend
+        # [kv_size]: subtracted from the keys with an fp8 cache (attention/key_centering.py), else None.
+        self.k_offset: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, attn_metadata: Any) -> torch.Tensor:
         t = x.shape[0]
@@ -57,6 +59,8 @@ class BloomAttention(nn.Module):
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        if self.k_offset is not None:
+            k.sub_(self.k_offset.view(self.num_kv_heads, self.head_dim))
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, None, self.alibi_slopes)
         return self.dense(out)
 

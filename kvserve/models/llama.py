@@ -79,6 +79,8 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary  # shared by all layers
         self.backend = backend
         self.sliding_window = cfg.sliding_window(layer_index)  # None: the whole context
+        # [kv_size]: subtracted from the keys after RoPE with an fp8 cache (attention/key_centering.py), else None.
+        self.k_offset: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, attn_metadata: Any) -> torch.Tensor:
         t = x.shape[0]
@@ -91,6 +93,8 @@ class LlamaAttention(nn.Module):
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.k_offset is not None:
+            k.sub_(self.k_offset.view(self.num_kv_heads, self.head_dim))
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
         return self.o_proj(out)
 
@@ -183,6 +187,7 @@ class LlamaDecoderLayer(nn.Module):
                 self.self_attn.scale,
                 packed,
                 self.self_attn.sliding_window or 0,
+                self.self_attn.k_offset,
             )
         if residual is None:
             residual = x

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.attention import key_centering
 from kvserve.attention.base import KVCache
 from kvserve.attention.kv_dtype import kv_cache_torch_dtype
 from kvserve.attention.selector import get_attn_backend
@@ -169,6 +170,12 @@ class ModelRunner:
         self.gemv_choices: dict = {}  # (N, K, dtype, bias) -> the batch-1 GEMV chosen and the timings behind it
         self.model = load_model(config, self.attn_backend)
         logger.info("loaded %s in %.1fs", config.model, time.perf_counter() - start)
+        # fp8 caches store each layer's keys minus their mean (attention/key_centering.py); the layout id says so.
+        self.key_centering_tag: str | None = None
+        if key_centering.key_centering_enabled(self.kv_dtype):
+            ids = key_centering.calibration_ids(config.arch.vocab_size, config.max_model_len)
+            key_centering.set_key_offsets(self.model, key_centering.calibrate_key_offsets(self.model, ids, self.dtype))
+            self.key_centering_tag = key_centering.layout_tag(config.max_model_len)
         half = self.dtype in (torch.bfloat16, torch.float16)
         if self.on_gpu and half and os.environ.get("KVSERVE_TRITON_GEMV") != "0":
             # Batch-1 linears: a Triton GEMV where it measured faster than cuBLAS on this card (the decode graph
@@ -204,6 +211,7 @@ class ModelRunner:
         layout = (
             f"{config.fingerprint or config.path}|{config.dtype}|{config.quantization}"
             f"|{self.attn_backend.kv_layout(self.block_size)}|kv_dtype={self.cache_config.cache_dtype}"
+            f"{'|' + self.key_centering_tag if self.key_centering_tag else ''}"
             f"|kv_heads={arch.num_key_value_heads}|head_dim={arch.head_dim}|block={self.block_size}"
             f"|layers={arch.num_hidden_layers}|tp={self.tp.world_size}"
             # Blocks computed by a path that is not batch-invariant would break a deterministic reader's promise.

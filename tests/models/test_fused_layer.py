@@ -70,3 +70,25 @@ def test_fused_layer_is_bitwise_the_module_path(
     monkeypatch.setattr(LlamaDecoderLayer, "use_fused", False)
     llm.reset_prefix_cache()
     assert _run(llm, prompts) == fused
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "float32",
+        pytest.param(
+            "bfloat16", marks=pytest.mark.skipif(not _bf16_pairs_here(), reason="bf16 pair panels need AVX512-BF16")
+        ),
+    ],
+)
+def test_fused_layer_subtracts_the_fp8_key_offsets_as_the_module_path_does(tiny_model_factory, dtype, monkeypatch):
+    """An fp8 cache centres the keys (attention/key_centering.py): the fused layer subtracts the same offsets at
+    the same point, so its results stay bitwise the module path's."""
+    llm = LLM(tiny_model_factory("llama-gqa-untied"), dtype=dtype, max_model_len=512, kv_cache_dtype="fp8_e4m3")
+    layers = llm.engine.engine_core.executor.driver_runner.model.model.layers
+    assert all(layer._fused is not None and layer.self_attn.k_offset is not None for layer in layers)
+    prompts = [[5 + i for i in range(40)], [9] * 7, [11, 12, 13]]
+    fused = _run(llm, prompts)
+    monkeypatch.setattr(LlamaDecoderLayer, "use_fused", False)
+    llm.reset_prefix_cache()
+    assert _run(llm, prompts) == fused

@@ -41,7 +41,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::option
                                                        at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
                                                        at::Tensor slot_mapping, at::Tensor block_table,
                                                        at::Tensor seq_lens, double scale, bool packed,
-                                                       int64_t window);
+                                                       int64_t window, c10::optional<at::Tensor> k_offset);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_isa", [] { return std::string(kvserve::kVecIsa); }, "the vector helpers this library was built with");

@@ -50,6 +50,7 @@ at::Tensor apply_linear(const at::Tensor& x, const std::vector<at::Tensor>& w, i
 // x [T, hidden]: the layer's input (before its input norm); residual: the residual stream, none for layer 0.
 // norms: input norm, post-attention norm. linears: qkv, o, gate_up, down, each as apply_linear takes it.
 // sizes: qkv, o, gate_up and down output features, query heads, kv heads, head dim.
+// k_offset: [kv heads * head dim], subtracted from the keys after RoPE (fp8 caches), or none.
 // Returns (MLP output, residual), as LlamaDecoderLayer.forward does; x and residual are updated in place.
 std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::optional<at::Tensor> residual,
                                                        std::vector<at::Tensor> norms,
@@ -59,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::option
                                                        at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
                                                        at::Tensor slot_mapping, at::Tensor block_table,
                                                        at::Tensor seq_lens, double scale, bool packed,
-                                                       int64_t window) {
+                                                       int64_t window, c10::optional<at::Tensor> k_offset) {
   TORCH_CHECK(norms.size() == 2 && linears.size() == 4 && sizes.size() == 7,
               "llama_decoder_layer: 2 norms, 4 linears, 7 sizes");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "llama_decoder_layer: contiguous x [T, hidden]");
@@ -77,6 +78,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::option
   }
   at::Tensor qkv = apply_linear(x, linears[0], qkv_n, qkv_bias);
   rotary_(qkv.narrow(1, 0, q_size + kv_size), positions, cos, sin, num_heads + num_kv_heads, head_dim);
+  // An fp8 cache's key offset (attention/key_centering.py): subtracted before the write, as the module path does.
+  if (k_offset.has_value() && k_offset->defined()) qkv.narrow(1, q_size, kv_size).sub_(*k_offset);
   write_kv(qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size), k_cache, v_cache, slot_mapping,
            packed);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim}).contiguous();
