@@ -31,6 +31,10 @@ class AttentionInputs:
     block_table: np.ndarray  # [R, max_blocks] int32, padded with 0 past each request's blocks
     slot_mapping: np.ndarray  # [T] int64, where each new token's K/V is written
     block_size: int
+    # Tree attention (speculative draft trees, kvserve/spec_decode/tree.py): request index -> [q_len, q_len] bool,
+    # True where query token j may see query token i of the same request (ancestors and itself). It replaces the
+    # causal mask among that request's query tokens only; the cached context stays wholly visible. None: causal.
+    query_masks: dict[int, np.ndarray] | None = None
 
 
 class AttentionBackend(ABC):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +20,7 @@ class PrefillSpan:
     block_ids: torch.Tensor  # [num_blocks] int64, just enough blocks to hold seq_len tokens
     mask: torch.Tensor | None  # [query_len, seq_len] bool (True = may attend); None when plainly causal
     block_size: int
+    query_mask: torch.Tensor | None = None  # [query_len, query_len] bool among the query tokens (tree attention)
 
 
 def prefill_span(inputs: AttentionInputs, i: int) -> PrefillSpan:
@@ -26,12 +28,13 @@ def prefill_span(inputs: AttentionInputs, i: int) -> PrefillSpan:
     start, q_len, seq_len = int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i])
     num_blocks = cdiv(seq_len, inputs.block_size)
     block_ids = torch.from_numpy(inputs.block_table[i, :num_blocks]).long()
-    mask = None
-    if q_len != seq_len:
-        # Query token j sits at position seq_len - q_len + j and sees keys up to that position.
-        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        mask = torch.arange(seq_len)[None, :] <= q_pos
-    return PrefillSpan(start, q_len, seq_len, block_ids, mask, inputs.block_size)
+    mask = query_mask = None
+    if inputs.query_masks is not None and i in inputs.query_masks:
+        query_mask = torch.from_numpy(np.asarray(inputs.query_masks[i], dtype=bool))
+        assert query_mask.shape == (q_len, q_len), (query_mask.shape, q_len)
+    if q_len != seq_len or query_mask is not None:
+        mask = window_mask(q_len, seq_len, 0, None, query_mask)
+    return PrefillSpan(start, q_len, seq_len, block_ids, mask, inputs.block_size, query_mask)
 
 
 def sdpa_prefill_spans(
@@ -65,7 +68,9 @@ def sdpa_prefill_spans(
             first_query = span.seq_len - span.query_len
             first_key = max(0, first_query - sliding_window + 1) // span.block_size * span.block_size
         if sliding_window is not None or alibi_slopes is not None:
-            mask = context_mask(span.query_len, span.seq_len, first_key, sliding_window, alibi_slopes, q.dtype)
+            mask = context_mask(
+                span.query_len, span.seq_len, first_key, sliding_window, alibi_slopes, q.dtype, span.query_mask
+            )
         block_ids = span.block_ids[first_key // span.block_size :]
         # .to: an fp8 cache widens (exactly) to q's dtype; a no-op otherwise.
         keys = key_cache.index_select(0, block_ids).reshape(-1, hkv, hd)[: span.seq_len - first_key].to(q.dtype)
@@ -73,13 +78,24 @@ def sdpa_prefill_spans(
         out[s:e] = sdpa(q[s:e], keys, values, mask, scale)
 
 
-def window_mask(query_len: int, seq_len: int, first_key: int, window: int | None) -> torch.Tensor:
+def window_mask(
+    query_len: int,
+    seq_len: int,
+    first_key: int,
+    window: int | None,
+    query_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[query_len, seq_len - first_key] bool: the query tokens (the context's last query_len positions) against
     the keys from position first_key on; a query sees the keys up to itself, or with a window, the keys of the
-    window ending at itself."""
+    window ending at itself. A `query_mask` [query_len, query_len] (tree attention) then replaces the causal
+    order among the query tokens' own keys (the window still applies on top, by slot position)."""
     q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
     k_pos = torch.arange(first_key, seq_len)[None, :]
     visible = k_pos <= q_pos
+    if query_mask is not None:
+        own = seq_len - query_len - first_key  # column of the first query token's own key
+        assert own >= 0, "a windowed read must not start inside the tree"
+        visible[:, own:] = query_mask
     return visible if window is None else visible & (k_pos > q_pos - window)
 
 
@@ -90,10 +106,12 @@ def context_mask(
     window: int | None,
     alibi_slopes: torch.Tensor | None,
     dtype: torch.dtype,
+    query_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA's mask for a chunk: window_mask's bool [query_len, seq_len - first_key], or with ALiBi slopes a float
-    [H, query_len, seq_len - first_key] of slope[h] * (key position - query position), -inf where hidden."""
-    visible = window_mask(query_len, seq_len, first_key, window)
+    [H, query_len, seq_len - first_key] of slope[h] * (key position - query position), -inf where hidden. (With a
+    query_mask, ALiBi's positions are the slots' positions, not the tree depths.)"""
+    visible = window_mask(query_len, seq_len, first_key, window, query_mask)
     if alibi_slopes is None:
         return visible
     q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]

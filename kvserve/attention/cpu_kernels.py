@@ -167,6 +167,13 @@ class CpuKernelAttentionBackend(AttentionBackend):
             by_kernel = np.ones(len(seq_lens), dtype=bool)
         else:
             by_kernel = np.diff(qsl) * seq_lens <= _KERNEL_MAX_WORK
+        if inputs.query_masks:
+            # Tree attention: the kernel's causality is by position alone, so a request with an ancestor mask
+            # goes through SDPA (standard layout only; its rows are then not batch-invariant).
+            if self.uses_packed_layout(inputs.block_size):
+                raise NotImplementedError("tree attention needs the standard KV layout (not the fp8 pair-packed one)")
+            by_kernel = by_kernel.copy()
+            by_kernel[list(inputs.query_masks)] = False
         prefills = [prefill_span(inputs, i) for i in np.flatnonzero(~by_kernel)]
         req = np.repeat(np.arange(len(seq_lens)), np.diff(qsl))  # request of each token
         rows = None

@@ -121,6 +121,8 @@ class TritonAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------------ eager steps
 
     def build_metadata(self, inputs: AttentionInputs) -> TritonAttentionMetadata:
+        if inputs.query_masks:  # the kernels' causality is by position: a tree would be read as a chain
+            raise NotImplementedError("tree attention (query_masks) is not in the Triton kernels yet")
         qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
         num_reqs = len(seq_lens)
         num_decodes = inputs.num_decodes if self.segment_decode else 0

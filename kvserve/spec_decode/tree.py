@@ -1,0 +1,144 @@
+"""EAGLE-2 draft trees: growing one, its tree-attention mask, the greedy walk that verifies it, and the KV moves
+that keep only the accepted path.
+
+A tree hangs below the request's last verified token (the root, not a node). Its N nodes are flattened in
+topological order (each parent before its children); `parents[j]` is the parent node's index, -1 for the root.
+Verification feeds N + 1 query tokens: the root, then node j at query index j + 1, at position
+root position + depth(j); each attends to the cached context plus its own ancestors and itself
+(`ancestor_mask`, passed to the attention backend as AttentionInputs.query_masks).
+
+Nothing here runs a model: `grow_eagle2_tree` takes the draft's log-probs through a callback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: np.ndarray  # [N] int64 draft tokens, topological order
+    parents: np.ndarray  # [N] int64 parent node index, -1 for a child of the root
+    scores: np.ndarray  # [N] float64 cumulative draft log-prob of the path root -> node
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> np.ndarray:
+        """[N] int64, 1 for the root's children."""
+        depths = np.zeros(len(self), dtype=np.int64)
+        for j, p in enumerate(self.parents):
+            depths[j] = 1 if p < 0 else depths[p] + 1
+        return depths
+
+    def positions(self, root_position: int) -> np.ndarray:
+        """[N + 1] int64 positions of the verification's query tokens (root first): root position + depth."""
+        return root_position + np.concatenate([[0], self.depths()])
+
+    def ancestor_mask(self) -> np.ndarray:
+        """[N + 1, N + 1] bool over the verification's query tokens (root at 0, node j at j + 1): True where
+        query row may see the key of column (the root, its ancestors, itself)."""
+        n = len(self)
+        mask = np.zeros((n + 1, n + 1), dtype=bool)
+        mask[:, 0] = True
+        for j, p in enumerate(self.parents):
+            mask[j + 1] = mask[p + 1]  # parent's row (the root's when p = -1); parents come first
+            mask[j + 1, j + 1] = True
+        return mask
+
+
+def grow_eagle2_tree(
+    root_log_probs: np.ndarray,
+    expand: Callable[[DraftTree, np.ndarray], np.ndarray],
+    depth: int,
+    top_k: int,
+    total_nodes: int,
+) -> DraftTree:
+    """EAGLE-2's dynamic tree. `root_log_probs` [V]: the draft's log-probs of the token after the root. Depth 1
+    takes its top_k tokens. At each further depth, the top_k nodes of the last depth by cumulative log-prob (the
+    frontier) are expanded: `expand(pool, frontier)` returns [len(frontier), V] log-probs of each frontier node's
+    next token (the pool holds every candidate so far, so the callback can read a node's path), and each frontier
+    node gets its top_k children. Finally every candidate is reranked by cumulative log-prob and the best
+    `total_nodes` kept. A child never scores above its parent (log-probs <= 0) and ties keep the earlier-made
+    node, so the kept set holds every kept node's ancestors."""
+    if depth < 1 or top_k < 1 or total_nodes < 1:
+        raise ValueError(f"draft tree: depth, top_k and total_nodes must be >= 1 (got {depth}, {top_k}, {total_nodes})")
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+
+    def add_children(parent: int, base: float, log_probs: np.ndarray) -> list[int]:
+        k = min(top_k, log_probs.shape[-1])
+        best = np.argsort(-log_probs, kind="stable")[:k]
+        made = []
+        for t in best:
+            made.append(len(tokens))
+            tokens.append(int(t))
+            parents.append(parent)
+            scores.append(base + float(log_probs[t]))
+        return made
+
+    last = add_children(-1, 0.0, np.asarray(root_log_probs, dtype=np.float64))
+    for _ in range(depth - 1):
+        order = sorted(last, key=lambda j: (-scores[j], j))
+        frontier = np.array(order[:top_k], dtype=np.int64)
+        pool = DraftTree(np.array(tokens, dtype=np.int64), np.array(parents, dtype=np.int64), np.array(scores))
+        log_probs = np.asarray(expand(pool, frontier), dtype=np.float64)
+        assert log_probs.shape[0] == len(frontier), (log_probs.shape, len(frontier))
+        last = [c for f, lp in zip(frontier, log_probs, strict=True) for c in add_children(int(f), scores[f], lp)]
+    keep = sorted(sorted(range(len(tokens)), key=lambda j: (-scores[j], j))[:total_nodes])  # creation = topo order
+    new_index = {old: new for new, old in enumerate(keep)}
+    kept_parents = [-1 if parents[j] < 0 else new_index[parents[j]] for j in keep]
+    return DraftTree(
+        tokens=np.array([tokens[j] for j in keep], dtype=np.int64),
+        parents=np.array(kept_parents, dtype=np.int64),
+        scores=np.array([scores[j] for j in keep], dtype=np.float64),
+    )
+
+
+def greedy_walk(tree: DraftTree, target_argmax: np.ndarray) -> tuple[list[int], list[int]]:
+    """Greedy verification. `target_argmax` [N + 1]: the target's argmax at each query token (root first).
+    Returns (accepted node indices root-to-leaf: the longest path whose every token equals the target's argmax
+    at its parent; the tokens to emit: the accepted ones, then the bonus, the target's argmax at the path's end)."""
+    children: dict[int, list[int]] = {}
+    for j, p in enumerate(tree.parents):
+        children.setdefault(int(p), []).append(j)
+    path: list[int] = []
+    node = -1
+    while True:
+        want = int(target_argmax[node + 1])
+        match = next((c for c in children.get(node, []) if int(tree.tokens[c]) == want), None)
+        if match is None:
+            break
+        path.append(match)
+        node = match
+    emitted = [int(tree.tokens[j]) for j in path] + [int(target_argmax[node + 1])]
+    return path, emitted
+
+
+def compaction_moves(path: list[int]) -> list[tuple[int, int]]:
+    """(source, destination) query indices that move the accepted path's K/V into the chain order: the node at
+    depth d (query index node + 1) goes to query index d. Sources never lie below destinations, so applying the
+    moves in order never reads a slot already overwritten."""
+    return [(node + 1, d) for d, node in enumerate(path, 1) if node + 1 != d]
+
+
+def compact_kv(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    query_slots: np.ndarray,
+    path: list[int],
+) -> None:
+    """Apply compaction_moves to every layer's standard-layout cache ([num_blocks, block_size, ...]).
+    `query_slots` [N + 1]: the slots the verification wrote its query tokens' K/V to (root first)."""
+    moves = compaction_moves(path)
+    if not moves:
+        return
+    for src, dst in moves:  # in order: see compaction_moves
+        for key_cache, value_cache in kv_caches:
+            for cache in (key_cache, value_cache):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat[int(query_slots[dst])] = flat[int(query_slots[src])]
