@@ -171,7 +171,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
             # Tree attention: the kernel's causality is by position alone, so a request with an ancestor mask
             # goes through SDPA (standard layout only; its rows are then not batch-invariant).
             if self.uses_packed_layout(inputs.block_size):
-                raise NotImplementedError("tree attention needs the standard KV layout (not the fp8 pair-packed one)")
+                raise NotImplementedError("tree attention needs the standard KV layout (not the pair-packed one)")
             by_kernel = by_kernel.copy()
             by_kernel[list(inputs.query_masks)] = False
         prefills = [prefill_span(inputs, i) for i in np.flatnonzero(~by_kernel)]
