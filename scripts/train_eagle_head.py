@@ -193,6 +193,7 @@ def main() -> None:
     ap.add_argument("--chat-prompts", type=int, default=0, help="natural chat questions (self-distillation)")
     ap.add_argument("--held-out-chat", type=int, default=0, help="the benchmark's chat prompts, scored held out")
     ap.add_argument("--draft-vocab-sizes", type=int, nargs="*", default=[8192, 16384, 32768])
+    ap.add_argument("--unroll", action="store_true", help="also train the second draft on the head's own features")
     ap.add_argument("--train-seconds", type=float, default=180.0)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=None, help=f"output folder (default: {default_head_dir(DEFAULT_MODEL)})")
@@ -245,6 +246,7 @@ def main() -> None:
         held_out=(held_out, feats[len(sequences) :]) if held_out else None,
         draft_vocabs=draft_vocabs,
         held_out_reply_starts=[len(p) for p in held_out_prompts] if held_out else None,
+        unroll=ns.unroll,
     )
     save_head(head, config, out, result)
     summary = {

@@ -147,11 +147,13 @@ def train_head(
     held_out: tuple[list[list[int]], list[torch.Tensor]] | None = None,
     draft_vocabs: dict[int, torch.Tensor] | None = None,
     held_out_reply_starts: list[int] | None = None,
+    unroll: bool = False,
 ) -> tuple[EagleReference, TrainResult]:
     """Fit a head for about `train_seconds` of wall time on all the sequences, scored on `held_out` (sequences,
     features); without it, on all but a held-out tenth of the sequences, scored on that tenth. `draft_vocabs`:
     N -> the ids of a draft vocabulary of N tokens, also scored. `held_out_reply_starts` (with `held_out`): each
-    held-out sequence's prompt length; then the reply's tokens are also scored alone (`reply_top1_accuracy`)."""
+    held-out sequence's prompt length; then the reply's tokens are also scored alone (`reply_top1_accuracy`).
+    `unroll`: also train a second step fed the head's own predicted features (see `_loss`)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     embed = nn.Embedding.from_pretrained(embed_weight)
@@ -190,7 +192,7 @@ def train_head(
             # Cosine decay over the budget.
             for g in opt.param_groups:
                 g["lr"] = lr * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * elapsed / train_seconds)).item())
-            loss = _loss(head, embed, lm_head, sequences[i], features[i], noise * scale, scale, ce_weight)
+            loss = _loss(head, embed, lm_head, sequences[i], features[i], noise * scale, scale, ce_weight, unroll)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -221,14 +223,34 @@ def _inputs(embed, seq: list[int], feats: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def _loss(
-    head, embed, lm_head, seq: list[int], feats: torch.Tensor, noise: float, scale: float, ce_weight: float
+    head,
+    embed,
+    lm_head,
+    seq: list[int],
+    feats: torch.Tensor,
+    noise: float,
+    scale: float,
+    ce_weight: float,
+    unroll: bool = False,
 ) -> torch.Tensor:
+    """The loss of one sequence. `unroll` adds a second pass in which every position is fed the head's own
+    prediction of its feature (pred_{i-1}) and the embedding of the token after, as the engine's second draft is:
+    teacher-forced training alone leaves a head that cannot read its own features (EAGLE-3's training-time test
+    does this with an exact mask; here the context is the predicted features too, a stricter approximation)."""
     with torch.no_grad():
         e, f = _inputs(embed, seq, feats)
         f = f + noise * torch.randn_like(f)
         target = feats[1:][None]
         p_target = torch.softmax(lm_head(target), dim=-1)
     pred = head(e, f)
+    loss = _step_loss(lm_head, pred, target, p_target, scale, ce_weight)
+    if unroll and pred.shape[1] > 1:
+        pred2 = head(e[:, 1:], pred[:, :-1])
+        loss = loss + _step_loss(lm_head, pred2, target[:, 1:], p_target[:, 1:], scale, ce_weight)
+    return loss
+
+
+def _step_loss(lm_head, pred, target, p_target, scale: float, ce_weight: float) -> torch.Tensor:
     reg = torch.nn.functional.smooth_l1_loss(pred / scale, target / scale)
     logp = torch.log_softmax(lm_head(pred), dim=-1)
     ce = -(p_target * logp).sum(-1).mean()
