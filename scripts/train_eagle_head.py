@@ -1,12 +1,14 @@
 """Fit an EAGLE head for the embedded default model (SmolLM2-135M-Instruct) on text it generates itself.
 
     PYTHONPATH=. python scripts/train_eagle_head.py [--num-prompts 96] [--stdlib-prompts 0] [--stdlib-windows 0]
-        [--train-seconds 180] [--out DIR]
+        [--chat-prompts 0] [--held-out-chat 0] [--train-seconds 180] [--out DIR]
 
 1. kvserve generates greedy replies to local prompts: "repeat this code" over kvserve's source files (other
    snippets than the benchmark's, which uses seed 0) and "explain / summarise / continue" over docs/*.md, and
    (--stdlib-prompts) the same questions over docstrings and code of the Python standard library's training part
    (kvserve.spec_decode.local_text); --stdlib-windows adds windows of that library text as they are (no reply);
+   --chat-prompts adds natural chat questions (self-distillation on the chat workload's kind of text, with other
+   question templates and topics than the benchmark's `chat` dataset, so that it stays held out);
 2. kvserve gives the target's final hidden states for every prompt + reply (one prefill each);
 3. kvserve.spec_decode.eagle_train fits the head for --train-seconds of CPU time and writes it, in the published
    EAGLE layout, to the folder `speculative_config={"method": "eagle"}` looks in by default
@@ -14,7 +16,9 @@
    Beside it: token_counts.npy, the token frequencies of the library's training part, for
    `"draft_vocab_size": N` (kvserve.spec_decode.draft_vocab).
 4. The head's top-1 agreement with the target is scored on held-out text: with --held-out-prompts, replies to
-   questions over the library's held-out files (whole sequences, prompt and reply); else a tenth of the sequences.
+   questions over the library's held-out files (whole sequences, prompt and reply); with --held-out-chat, the
+   benchmark's own `chat` prompts (seed 0) and their replies, also scored on the reply's tokens alone
+   (`reply_top1_accuracy`: what speculation drafts); else a tenth of the sequences.
    For each --draft-vocab-sizes N it is scored again with the head's argmax over the N most frequent tokens.
 """
 
@@ -84,6 +88,86 @@ def stdlib_prompts(tokenizer, num: int, rng: random.Random, held_out: bool) -> l
     return out
 
 
+# Natural chat questions for self-distillation: templates and topics disjoint from the benchmark's `chat` dataset
+# (kvserve.benchmarks.datasets._CHAT_TASKS / _CHAT_TOPICS), which scores the head held out.
+_SELF_CHAT_TASKS = (
+    "Can you explain what {} is and why it matters?",
+    "Write a short poem about {}.",
+    "List five interesting facts about {}.",
+    "I am new to {}. Where should I start?",
+    "Compare {} with something similar and explain the differences.",
+    "Summarize the most important ideas about {} for a busy reader.",
+    "What are common mistakes people make with {}?",
+    "Write a short blog post introduction about {}.",
+    "Tell me a fun story for kids about {}.",
+    "What would the world look like without {}?",
+    "Give a step-by-step guide related to {}.",
+    "Why do people find {} interesting?",
+)
+_SELF_CHAT_TOPICS = (
+    "rainforests",
+    "the moon landing",
+    "electric cars",
+    "making pizza at home",
+    "saving money",
+    "the human heart",
+    "a rainy day",
+    "dinosaurs",
+    "climate change",
+    "a job interview",
+    "time management",
+    "the ocean tides",
+    "jazz music",
+    "ancient Rome",
+    "a hiking trip",
+    "healthy sleep",
+    "the internet",
+    "a birthday party",
+    "wind turbines",
+    "learning to swim",
+    "the solar system",
+    "a public library",
+    "earthquakes",
+    "playing guitar",
+    "friendship",
+    "a train journey",
+    "honey",
+    "mountain climbing",
+    "the immune system",
+    "writing a resume",
+    "a pet dog",
+    "renewable energy",
+    "the Olympic games",
+    "coffee",
+    "a snowstorm",
+    "painting with watercolors",
+    "electricity",
+    "a farmers market",
+    "robots",
+    "meditation",
+    "the Great Wall of China",
+    "football",
+    "chocolate",
+    "a city park",
+    "airplanes",
+    "composting",
+    "the history of money",
+    "a camping trip",
+)
+
+
+def self_chat_prompts(tokenizer, num: int, rng: random.Random) -> list[list[int]]:
+    """Natural chat questions (see _SELF_CHAT_TASKS) in the model's chat template."""
+    out = []
+    for _ in range(num):
+        question = rng.choice(_SELF_CHAT_TASKS).format(rng.choice(_SELF_CHAT_TOPICS))
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+        out.append(tokenizer.encode(prompt, add_special_tokens=False))
+    return out
+
+
 def stdlib_windows(tokenizer, num: int, length: int, rng: random.Random) -> list[list[int]]:
     """Windows of `length` tokens of the library's training part, as they are (docstrings and code)."""
     files = stdlib_files(held_out=False)
@@ -106,7 +190,10 @@ def main() -> None:
     ap.add_argument("--stdlib-windows", type=int, default=0, help="windows of the standard library's text")
     ap.add_argument("--window-len", type=int, default=384)
     ap.add_argument("--held-out-prompts", type=int, default=0, help="questions over held-out library files")
+    ap.add_argument("--chat-prompts", type=int, default=0, help="natural chat questions (self-distillation)")
+    ap.add_argument("--held-out-chat", type=int, default=0, help="the benchmark's chat prompts, scored held out")
     ap.add_argument("--draft-vocab-sizes", type=int, nargs="*", default=[8192, 16384, 32768])
+    ap.add_argument("--unroll", action="store_true", help="also train the second draft on the head's own features")
     ap.add_argument("--train-seconds", type=float, default=180.0)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=None, help=f"output folder (default: {default_head_dir(DEFAULT_MODEL)})")
@@ -127,7 +214,10 @@ def main() -> None:
     )
     prompts = [r.prompt_token_ids for r in copy] + doc_prompts(tok, ns.num_prompts - num_copy, rng)
     prompts += stdlib_prompts(tok, ns.stdlib_prompts, rng, held_out=False)
+    prompts += self_chat_prompts(tok, ns.chat_prompts, rng)
     held_out_prompts = stdlib_prompts(tok, ns.held_out_prompts, rng, held_out=True)
+    chat = DatasetSpec("chat", num_requests=ns.held_out_chat, seed=0, output_len=(ns.max_tokens,) * 2)
+    held_out_prompts += [r.prompt_token_ids for r in build_dataset(chat, 49152, tok)] if ns.held_out_chat else []
     params = SamplingParams(temperature=0.0, max_tokens=ns.max_tokens)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts + held_out_prompts], params)
     generated = [p + o.outputs[0].token_ids for p, o in zip(prompts + held_out_prompts, outputs, strict=True)]
@@ -155,6 +245,8 @@ def main() -> None:
         seed=ns.seed,
         held_out=(held_out, feats[len(sequences) :]) if held_out else None,
         draft_vocabs=draft_vocabs,
+        held_out_reply_starts=[len(p) for p in held_out_prompts] if held_out else None,
+        unroll=ns.unroll,
     )
     save_head(head, config, out, result)
     summary = {

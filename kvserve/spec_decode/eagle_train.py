@@ -69,6 +69,10 @@ class TrainResult:
     top1_by_draft_vocab: dict[int, float] = field(default_factory=dict)
     target_in_draft_vocab: dict[int, float] = field(default_factory=dict)
     num_held_out_tokens: int = 0
+    # Held-out, the reply's tokens only (what speculation drafts): the head's argmax at position i predicts token
+    # i + 2, so the reply of a prompt of length L is scored from position L - 1 on.
+    reply_top1_accuracy: float | None = None
+    num_held_out_reply_tokens: int = 0
 
 
 def hf_llama_config(arch):
@@ -142,10 +146,14 @@ def train_head(
     seed: int = 0,
     held_out: tuple[list[list[int]], list[torch.Tensor]] | None = None,
     draft_vocabs: dict[int, torch.Tensor] | None = None,
+    held_out_reply_starts: list[int] | None = None,
+    unroll: bool = False,
 ) -> tuple[EagleReference, TrainResult]:
     """Fit a head for about `train_seconds` of wall time on all the sequences, scored on `held_out` (sequences,
     features); without it, on all but a held-out tenth of the sequences, scored on that tenth. `draft_vocabs`:
-    N -> the ids of a draft vocabulary of N tokens, also scored."""
+    N -> the ids of a draft vocabulary of N tokens, also scored. `held_out_reply_starts` (with `held_out`): each
+    held-out sequence's prompt length; then the reply's tokens are also scored alone (`reply_top1_accuracy`).
+    `unroll`: also train a second step fed the head's own predicted features (see `_loss`)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     embed = nn.Embedding.from_pretrained(embed_weight)
@@ -184,7 +192,7 @@ def train_head(
             # Cosine decay over the budget.
             for g in opt.param_groups:
                 g["lr"] = lr * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * elapsed / train_seconds)).item())
-            loss = _loss(head, embed, lm_head, sequences[i], features[i], noise * scale, scale, ce_weight)
+            loss = _loss(head, embed, lm_head, sequences[i], features[i], noise * scale, scale, ce_weight, unroll)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -200,6 +208,12 @@ def train_head(
     for n, (hit, inside) in scores.items():
         result.top1_by_draft_vocab[n], result.target_in_draft_vocab[n] = hit, inside
     result.num_held_out_tokens = sum(len(s) - 1 for s in val_sequences)
+    if held_out_reply_starts is not None:
+        reply = top1_agreement(head, embed, lm_head, val_sequences, val_features, {}, held_out_reply_starts)
+        result.reply_top1_accuracy = reply["full"]
+        result.num_held_out_reply_tokens = sum(
+            len(s) - r for s, r in zip(val_sequences, held_out_reply_starts, strict=True)
+        )
     return head, result
 
 
@@ -209,14 +223,34 @@ def _inputs(embed, seq: list[int], feats: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def _loss(
-    head, embed, lm_head, seq: list[int], feats: torch.Tensor, noise: float, scale: float, ce_weight: float
+    head,
+    embed,
+    lm_head,
+    seq: list[int],
+    feats: torch.Tensor,
+    noise: float,
+    scale: float,
+    ce_weight: float,
+    unroll: bool = False,
 ) -> torch.Tensor:
+    """The loss of one sequence. `unroll` adds a second pass in which every position is fed the head's own
+    prediction of its feature (pred_{i-1}) and the embedding of the token after, as the engine's second draft is:
+    teacher-forced training alone leaves a head that cannot read its own features (EAGLE-3's training-time test
+    does this with an exact mask; here the context is the predicted features too, a stricter approximation)."""
     with torch.no_grad():
         e, f = _inputs(embed, seq, feats)
         f = f + noise * torch.randn_like(f)
         target = feats[1:][None]
         p_target = torch.softmax(lm_head(target), dim=-1)
     pred = head(e, f)
+    loss = _step_loss(lm_head, pred, target, p_target, scale, ce_weight)
+    if unroll and pred.shape[1] > 1:
+        pred2 = head(e[:, 1:], pred[:, :-1])
+        loss = loss + _step_loss(lm_head, pred2, target[:, 1:], p_target[:, 1:], scale, ce_weight)
+    return loss
+
+
+def _step_loss(lm_head, pred, target, p_target, scale: float, ce_weight: float) -> torch.Tensor:
     reg = torch.nn.functional.smooth_l1_loss(pred / scale, target / scale)
     logp = torch.log_softmax(lm_head(pred), dim=-1)
     ce = -(p_target * logp).sum(-1).mean()
@@ -224,9 +258,12 @@ def _loss(
 
 
 @torch.no_grad()
-def top1_agreement(head, embed, lm_head, sequences, features, draft_vocabs: dict[int, torch.Tensor]) -> dict:
+def top1_agreement(
+    head, embed, lm_head, sequences, features, draft_vocabs: dict[int, torch.Tensor], starts: list[int] | None = None
+) -> dict:
     """How often the head's argmax is the target's at i + 1, over every position: {"full": rate} and, per draft
-    vocabulary N -> (rate with the head's argmax over those ids only, rate of target argmaxes among them)."""
+    vocabulary N -> (rate with the head's argmax over those ids only, rate of target argmaxes among them).
+    `starts`: per sequence, the first token index scored (a prompt's length: only the reply's tokens count)."""
     hits = total = 0
     sub_hits = {n: 0 for n in draft_vocabs}
     inside = {n: 0 for n in draft_vocabs}
@@ -234,10 +271,13 @@ def top1_agreement(head, embed, lm_head, sequences, features, draft_vocabs: dict
     for n, ids in draft_vocabs.items():
         masks[n] = torch.zeros(lm_head.weight.shape[0], dtype=torch.bool)
         masks[n][ids] = True
-    for seq, feats in zip(sequences, features, strict=True):
+    for n_seq, (seq, feats) in enumerate(zip(sequences, features, strict=True)):
         e, f = _inputs(embed, seq, feats)
-        logits = lm_head(head(e, f))[0]
-        want = lm_head(feats[1:]).argmax(-1)
+        # Row i predicts token i + 2: rows from start - 1 on predict the tokens after the reply's first (that one
+        # comes from the target's prefill; nothing drafts it).
+        first = 0 if starts is None else max(starts[n_seq] - 1, 0)
+        logits = lm_head(head(e, f))[0][first:]
+        want = lm_head(feats[1:]).argmax(-1)[first:]
         hits += int((logits.argmax(-1) == want).sum())
         total += len(want)
         for n, ids in draft_vocabs.items():
