@@ -36,9 +36,9 @@ def calibration_ids(vocab_size: int, max_model_len: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(CALIBRATION_SEED))
 
 
-def layout_tag(max_model_len: int) -> str:
-    """What the layout id says of the keys' offsets: the calibration recipe (its length and seed)."""
-    return f"k_centered=rand{min(CALIBRATION_TOKENS, max_model_len)}s{CALIBRATION_SEED}"
+def layout_tag(ids: torch.Tensor) -> str:
+    """What the layout id says of the keys' offsets: the calibration recipe (`calibration_ids`' length and seed)."""
+    return f"k_centered=rand{len(ids)}s{CALIBRATION_SEED}"
 
 
 def key_centering_enabled(kv_dtype: torch.dtype) -> bool:
@@ -58,8 +58,9 @@ class _MeanKeyBackend:
     def forward(self, q, k, v, kv_cache, metadata, scale, sliding_window=None, alibi_slopes=None) -> torch.Tensor:
         n = q.shape[0]
         self.sums.append(k.float().sum(0).flatten())
-        mask = context_mask(n, n, 0, sliding_window, alibi_slopes, q.dtype)
-        return sdpa(q, k, v, None if sliding_window is None and alibi_slopes is None else mask, scale).reshape(n, -1)
+        plain = sliding_window is None and alibi_slopes is None  # sdpa's own causal mask then
+        mask = None if plain else context_mask(n, n, 0, sliding_window, alibi_slopes, q.dtype)
+        return sdpa(q, k, v, mask, scale).reshape(n, -1)
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

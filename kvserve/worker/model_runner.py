@@ -175,7 +175,7 @@ class ModelRunner:
         if key_centering.key_centering_enabled(self.kv_dtype):
             ids = key_centering.calibration_ids(config.arch.vocab_size, config.max_model_len)
             key_centering.set_key_offsets(self.model, key_centering.calibrate_key_offsets(self.model, ids, self.dtype))
-            self.key_centering_tag = key_centering.layout_tag(config.max_model_len)
+            self.key_centering_tag = key_centering.layout_tag(ids)
         half = self.dtype in (torch.bfloat16, torch.float16)
         if self.on_gpu and half and os.environ.get("KVSERVE_TRITON_GEMV") != "0":
             # Batch-1 linears: a Triton GEMV where it measured faster than cuBLAS on this card (the decode graph
