@@ -52,7 +52,6 @@ def propose_trees(proposer: EagleProposer, step: DraftStepInputs, depth: int, to
     drafts: list[list[int]] = []
     parents: list[list[int]] = []
     started = time.perf_counter()
-    num_fed = 0
     for i, state in enumerate(step.states[j] for j in idx.tolist()):
         proposer.forget_pending(state.req_id)
         room = int(capacity[i] - next_pos[i])
@@ -64,7 +63,6 @@ def propose_trees(proposer: EagleProposer, step: DraftStepInputs, depth: int, to
             continue
         grower = _Expander(proposer, batch.block_table[rows[i]], int(next_pos[i]), features[i])
         tree = grow_eagle2_tree(root_log_probs[i], grower.expand, fits, top_k, int(limits[i]))
-        num_fed += grower.num_fed
         drafts.append(grower.full_ids(tree.tokens).tolist())
         parents.append(tree.parents.tolist())
     return DraftProposal(
@@ -72,7 +70,9 @@ def propose_trees(proposer: EagleProposer, step: DraftStepInputs, depth: int, to
         [None] * num_s,
         num_pass_requests=len(step.rows),
         draft_seconds=time.perf_counter() - started,
-        num_draft_tokens=num_fed,
+        # NOTE: the policy costs a tree of k nodes as k drafts (core/spec_policy.py): its per-draft cost is the
+        # expansions' seconds over the nodes they grew.
+        num_draft_tokens=sum(len(d) for d in drafts),
         parents=parents,
     )
 
@@ -92,7 +92,6 @@ class _Expander:
         self.root_pos = root_pos
         self.root_feature = root_feature
         self.features: dict[int, torch.Tensor] = {}  # pool node -> the head's output at it (its children's feature)
-        self.num_fed = 0
 
     def full_ids(self, tokens: np.ndarray) -> np.ndarray:
         """Pool tokens (draft-vocabulary columns when the head has one) -> full vocabulary ids."""
@@ -137,6 +136,5 @@ class _Expander:
         assert out is not None
         for j, n in enumerate(nodes.tolist()):
             self.features[n] = out[j]
-        self.num_fed += num
         picked = proposer.to_device(np.array([local[int(f)] for f in frontier], dtype=np.int64))
         return torch.log_softmax(logits[picked].float(), dim=-1).cpu().numpy()
