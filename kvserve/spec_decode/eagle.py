@@ -180,6 +180,10 @@ class EagleProposer(ModelProposer):
         out = self.head(embeds, features, self.to_device(positions), self.kv_caches[0], attn_metadata)
         return self._logits(out), out
 
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[A, V] fp32 logits of the head's predicted features (over the draft vocabulary's columns if set)."""
+        return self._logits(features)
+
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         if self.draft_vocab is not None:
             return self.draft_vocab.logits(features)

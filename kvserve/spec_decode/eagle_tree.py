@@ -132,9 +132,10 @@ class _Expander:
         feats = torch.stack([self.features.get(int(p), self.root_feature) for p in pool.parents[nodes].tolist()])
         token_ids = proposer.to_device(self.full_ids(sub.tokens))
         md = proposer.backend.build_metadata(inputs)
-        logits, out = proposer.decode(token_ids, positions, md, feats)
-        assert out is not None
+        embeds = proposer.target.model.embed_tokens(token_ids)
+        out = proposer.head(embeds, feats, proposer.to_device(positions), proposer.kv_caches[0], md)
         for j, n in enumerate(nodes.tolist()):
             self.features[n] = out[j]
+        # The LM head over the frontier only: the ancestors' rows were scored when they were the frontier.
         picked = proposer.to_device(np.array([local[int(f)] for f in frontier], dtype=np.int64))
-        return torch.log_softmax(logits[picked].float(), dim=-1).cpu().numpy()
+        return torch.log_softmax(proposer.draft_logits(out[picked]).float(), dim=-1).cpu().numpy()

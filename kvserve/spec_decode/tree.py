@@ -73,7 +73,11 @@ def grow_eagle2_tree(
 
     def add_children(parent: int, base: float, log_probs: np.ndarray) -> list[int]:
         k = min(top_k, log_probs.shape[-1])
-        best = np.argsort(-log_probs, kind="stable")[:k]
+        # The first k of a stable descending sort, in O(V): every token at or above the k-th largest value
+        # (ties included, in index order), then sorted stably among themselves.
+        kth = np.partition(log_probs, log_probs.shape[-1] - k)[log_probs.shape[-1] - k]
+        cands = np.flatnonzero(log_probs >= kth)
+        best = cands[np.argsort(-log_probs[cands], kind="stable")[:k]]
         made = []
         for t in best:
             made.append(len(tokens))
