@@ -2,7 +2,7 @@
 `kvserve bench throughput --ablate speculative` per cell, greedy, batch 1, the `chat` workload).
 
     PYTHONPATH=. python benchmarks/spec_tree.py --head DIR [--dtype float32] [-k 4] [--tree 4 4 12] \\
-        [--num-requests 4] [--output-len 128 128] [--json FILE]
+        [--draft-vocab-size 0] [--num-requests 4] [--output-len 128 128] [--json FILE]
 
 float32 by default: on a CPU with AVX512-BF16 a bf16 model's KV cache takes the pair-packed layout, whose kernels
 take no tree mask yet (the engine refuses trees there). Fixed K (`adaptive: false`) for both cells. Prints one
@@ -37,11 +37,12 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("-k", type=int, default=4, help="the chain's drafts per step")
     ap.add_argument("--tree", type=int, nargs=3, default=[4, 4, 12], metavar=("DEPTH", "TOPK", "NODES"))
+    ap.add_argument("--draft-vocab-size", type=int, default=0, help="0: the full vocabulary")
     ap.add_argument("--num-requests", type=int, default=4)
     ap.add_argument("--output-len", type=int, nargs=2, default=[128, 128])
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
-    base = {"method": "eagle", "model": ns.head, "adaptive": False}
+    base = {"method": "eagle", "model": ns.head, "adaptive": False, "draft_vocab_size": ns.draft_vocab_size}
     depth, topk, nodes = ns.tree
     cells = {
         f"chain K={ns.k}": {**base, "num_speculative_tokens": ns.k},
