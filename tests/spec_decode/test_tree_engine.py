@@ -15,6 +15,7 @@ from kvserve.spec_decode.eagle_train import (
     target_features,
     train_head,
 )
+from kvserve.worker.tree_step import check_tree_attention
 from tests.conftest import assert_all_blocks_free
 from tests.engine.test_spec_decode import assert_same_greedy, copy_prompts, token_ids
 from tests.kernels.build import require_kernels
@@ -157,3 +158,12 @@ def test_config_defaults():
     tree = SpeculativeConfig.from_dict({"method": "eagle", "tree_num_nodes": 10})
     assert tree.tree and (tree.tree_depth, tree.tree_topk, tree.num_speculative_tokens) == (4, 4, 10)
     assert tree.num_lookahead_slots == 12  # three expansions of at most 4 nodes per level
+
+
+def test_backends_without_tree_attention_are_refused():
+    class PairPacked:
+        def uses_packed_layout(self, block_size: int) -> bool:
+            return True
+
+    with pytest.raises(ValueError, match="pair-packed KV layout"):
+        check_tree_attention(PairPacked(), 16)  # type: ignore[arg-type]
