@@ -182,10 +182,35 @@ class SpeculativeConfig:
     # draft_model / eagle: the draft's LM head computes the logits of this many most frequent tokens only, from
     # the counts beside the head or draft model (kvserve.spec_decode.draft_vocab); 0: the full vocabulary.
     draft_vocab_size: int = 0
+    # eagle only: EAGLE-2 draft trees (kvserve.spec_decode.tree) instead of a chain. Any of the three turns them on;
+    # the others default. `tree_depth`: most levels below the last verified token; `tree_topk`: children per
+    # expanded node (and nodes expanded per level); `tree_num_nodes`: draft tokens verified per step, which is
+    # num_speculative_tokens (either key sets the other; both must then agree). None everywhere: the chain.
+    tree_depth: int | None = None
+    tree_topk: int | None = None
+    tree_num_nodes: int | None = None
     # Resolved by EngineArgs from `model`: the draft model's (or the EAGLE head's) config.
     draft: ModelConfig | None = field(default=None, hash=False)
 
     _METHODS = ("ngram", "draft_model", "eagle")
+    _TREE_KEYS = ("tree_depth", "tree_topk", "tree_num_nodes")
+    DEFAULT_TREE_DEPTH = 4
+    DEFAULT_TREE_TOPK = 4
+
+    @property
+    def tree(self) -> bool:
+        """Draft trees (EAGLE-2) rather than a chain; then tree_depth and tree_topk are set and
+        num_speculative_tokens is the tree's node count."""
+        return self.tree_depth is not None
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a model proposer writes past a request's step tokens: the chain's K draft steps; a tree's
+        expansions, each over the expanded nodes and their ancestors (at most tree_topk per level), if more."""
+        if not self.tree:
+            return self.num_speculative_tokens
+        assert self.tree_depth is not None and self.tree_topk is not None
+        return max(self.num_speculative_tokens, (self.tree_depth - 1) * self.tree_topk)
 
     @classmethod
     def from_dict(cls, d: dict) -> SpeculativeConfig:
@@ -201,6 +226,8 @@ class SpeculativeConfig:
         if method == "ngram":
             d.pop("model", None)
         d["method"] = method
+        if any(d.get(key) is not None for key in cls._TREE_KEYS):
+            _resolve_tree_options(d)
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
@@ -222,6 +249,39 @@ class SpeculativeConfig:
                 f"{config.prompt_lookup_min} and {config.prompt_lookup_max}"
             )
         return config
+
+
+def _resolve_tree_options(d: dict) -> None:
+    """Fill in and check the draft-tree keys of a speculative_config dict in place (ValueError naming the key)."""
+    if d["method"] != "eagle":
+        raise ValueError(
+            f"speculative_config: tree_depth, tree_topk and tree_num_nodes are for method 'eagle' (got {d['method']!r})"
+        )
+    if d.get("tree_depth") is None:
+        d["tree_depth"] = SpeculativeConfig.DEFAULT_TREE_DEPTH
+    if d.get("tree_topk") is None:
+        d["tree_topk"] = SpeculativeConfig.DEFAULT_TREE_TOPK
+    k, nodes = d.get("num_speculative_tokens"), d.get("tree_num_nodes")
+    if nodes is None:
+        nodes = d["tree_num_nodes"] = k
+    elif k is None:
+        k = d["num_speculative_tokens"] = nodes
+    elif k != nodes:
+        raise ValueError(
+            f"speculative_config: with a draft tree num_speculative_tokens is its node count: tree_num_nodes {nodes!r} "
+            f"and num_speculative_tokens {k!r} differ (give one of them)"
+        )
+    for key in ("tree_depth", "tree_topk", "tree_num_nodes"):
+        value = d[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"speculative_config: {key} must be an integer >= 1, got {value!r}")
+    depth, topk = d["tree_depth"], d["tree_topk"]
+    most = topk + (depth - 1) * topk * topk  # depth 1: top-k; each deeper level: top-k children of top-k nodes
+    if nodes > most:
+        raise ValueError(
+            f"speculative_config: tree_num_nodes {nodes} exceeds the {most} nodes a tree of tree_depth {depth} and "
+            f"tree_topk {topk} can grow"
+        )
 
 
 @dataclass(frozen=True)

@@ -546,7 +546,7 @@ class Scheduler:
         spec = self.spec_config
         if spec is None or spec.method == "ngram":
             return 0
-        return max(0, min(spec.num_speculative_tokens, self.config.max_model_len - num_tokens_after_step))
+        return max(0, min(spec.num_lookahead_slots, self.config.max_model_len - num_tokens_after_step))
 
     def _max_drafts(self, request: Request) -> int:
         """Drafts that fit: 1 + k tokens are emitted at most, within max_tokens and max_model_len."""

@@ -121,6 +121,10 @@ class SpecDecodePolicy:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
+        # Drafts that can be accepted in one step: K for a chain, tree_depth for a tree of K nodes (its accepted
+        # path is one root-to-leaf walk). A tree's k nodes are costed as k drafts (verified and drafted tokens) and
+        # credited with the acceptance of its first min(k, depth) levels.
+        self.depth = config.tree_depth if config.tree_depth is not None else self.k
         self.step_cost = StepCostModel()
         self.proposer_cost = ProposerCostModel()
         self.engine_acceptance = Acceptance(self.k, _ENGINE_WEIGHT)
@@ -193,7 +197,7 @@ class SpecDecodePolicy:
         num_tokens = num_decodes
         order = sorted(range(len(acceptance)), key=lambda i: -acceptance[i][0])
         for i in order:
-            acc = acceptance[i]
+            acc = acceptance[i][: self.depth] + [0.0] * (self.k - self.depth)
             if acc[0] <= 0.0:
                 break  # sorted: nobody after it can gain anything
             base = self.step_cost.seconds(num_tokens)
@@ -220,7 +224,9 @@ class SpecDecodePolicy:
     # ------------------------------------------------------------------ measurements
 
     def observe_verification(self, state: SpecRequestState, num_drafts: int, num_accepted: int) -> None:
-        """A step verified `num_drafts` of the request's drafts and accepted the first `num_accepted`."""
+        """A step verified `num_drafts` of the request's drafts and accepted the first `num_accepted` (a tree:
+        `num_drafts` nodes, an accepted path `num_accepted` long; only its first tree_depth levels can be hit)."""
+        num_drafts = min(num_drafts, self.depth)
         state.acceptance.observe(num_drafts, num_accepted)
         self.engine_acceptance.observe(num_drafts, num_accepted)
         if state.verifying_probe:

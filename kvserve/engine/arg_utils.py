@@ -547,7 +547,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--speculative-config",
         default=None,
-        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; EAGLE-2 '
+        'draft trees: \'{"method": "eagle", "tree_depth": 4, "tree_topk": 4, "tree_num_nodes": 16}\'',
     )
     g.add_argument(
         "--preemption-mode",

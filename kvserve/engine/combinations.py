@@ -125,6 +125,11 @@ RULES: tuple[Rule, ...] = (
         "the EAGLE head reads the target's Llama embedding and final RMSNorm, which BLOOM does not have",
     ),
     Rule(
+        "EAGLE draft trees (tree_depth, tree_topk, tree_num_nodes) on the GPU",
+        lambda c: _gpu(c) and c.speculative is not None and c.speculative.tree,
+        "not supported on the GPU yet: the Triton attention kernels take no tree-attention mask",
+    ),
+    Rule(
         "kv_cache_dtype fp8 with draft-model or EAGLE speculation",
         lambda c: c.cache.cache_dtype != "auto" and _model_proposer(c),
         "the draft's own KV pool is allocated in the model's dtype and is not sized or converted for fp8 yet "

@@ -53,6 +53,9 @@ class DraftProposal:
     num_pass_requests: int = 0
     draft_seconds: float = 0.0
     num_draft_tokens: int = 0
+    # Draft trees (spec_decode/tree.py): [S] per sampling request its nodes' parent indices (-1: the root), the
+    # drafts being the nodes' tokens in the same topological order. None: chains.
+    parents: list[list[int]] | None = None
 
 
 class Proposer(ABC):

@@ -33,8 +33,9 @@ from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.loader.default_model import cache_dir
 from kvserve.loader.safetensors_weights import iterate_safetensors
 from kvserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, load_fused_weights
-from kvserve.spec_decode.base import DraftStepInputs
+from kvserve.spec_decode.base import DraftProposal, DraftStepInputs
 from kvserve.spec_decode.draft_vocab import DraftVocab
+from kvserve.spec_decode.eagle_tree import propose_trees
 from kvserve.spec_decode.model_proposer import ModelProposer
 
 _IGNORED = ("layers.0.input_layernorm.weight", "embed_tokens.weight", "lm_head.weight")
@@ -121,9 +122,12 @@ class EagleProposer(ModelProposer):
         generator: torch.Generator,
         device: torch.device,
         draft_vocab_size: int = 0,
+        tree: tuple[int, int] | None = None,
     ) -> None:
         """`draft_vocab_size` > 0: the drafts' logits cover only that many most frequent tokens (draft_vocab.py;
-        the counts file is in `head_dir`)."""
+        the counts file is in `head_dir`). `tree` = (depth, top_k): EAGLE-2 draft trees of at most
+        `num_speculative_tokens` nodes (eagle_tree.py) instead of chains."""
+        self.tree = tree
         cfg = target.config
         self.head = load_eagle_head(head_dir, cfg, backend, dtype, device)
         self.target = target
@@ -163,6 +167,11 @@ class EagleProposer(ModelProposer):
         last = out[self.to_device(last_rows)]
         return self._logits(last), last
 
+    def _propose(self, step: DraftStepInputs) -> DraftProposal:
+        if self.tree is None:
+            return super()._propose(step)
+        return propose_trees(self, step, *self.tree)
+
     def decode(
         self, token_ids: torch.Tensor, positions: np.ndarray, attn_metadata: object, features: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,6 +179,10 @@ class EagleProposer(ModelProposer):
         embeds = self.target.model.embed_tokens(token_ids)
         out = self.head(embeds, features, self.to_device(positions), self.kv_caches[0], attn_metadata)
         return self._logits(out), out
+
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[A, V] fp32 logits of the head's predicted features (over the draft vocabulary's columns if set)."""
+        return self._logits(features)
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         if self.draft_vocab is not None:

@@ -151,11 +151,16 @@ class ModelProposer(Proposer):
             return proposal
         drafts: list[list[int]] = [[] for _ in range(num_sampled)]
         probs: list[torch.Tensor | None] = [None] * num_sampled
+        parents: list[list[int]] = [[] for _ in range(num_sampled)]
         for j, i in enumerate(kept.tolist()):
             drafts[i], probs[i] = proposal.drafts[j], proposal.probs[j]
+            if proposal.parents is not None:
+                parents[i] = proposal.parents[j]
         for i in np.setdiff1d(np.arange(num_sampled), kept).tolist():
             self._pending.pop(step.states[int(step.sample_idx[i])].req_id, None)
         proposal.drafts, proposal.probs = drafts, probs
+        if proposal.parents is not None:
+            proposal.parents = parents
         return proposal
 
     def _propose(self, step: DraftStepInputs) -> DraftProposal:
@@ -354,6 +359,10 @@ class ModelProposer(Proposer):
             assert proposed[:n] == draft_ids[i, :n].tolist(), (proposed, draft_ids[i])
             out[i, :n] = q[:n]
         return out
+
+    def forget_pending(self, req_id: str) -> None:
+        """Drop the request's pending q (its next drafts carry none)."""
+        self._pending.pop(req_id, None)
 
     def forget(self, req_id: str) -> None:
         self._pending.pop(req_id, None)

@@ -73,7 +73,11 @@ def grow_eagle2_tree(
 
     def add_children(parent: int, base: float, log_probs: np.ndarray) -> list[int]:
         k = min(top_k, log_probs.shape[-1])
-        best = np.argsort(-log_probs, kind="stable")[:k]
+        # The first k of a stable descending sort, in O(V): every token at or above the k-th largest value
+        # (ties included, in index order), then sorted stably among themselves.
+        kth = np.partition(log_probs, log_probs.shape[-1] - k)[log_probs.shape[-1] - k]
+        cands = np.flatnonzero(log_probs >= kth)
+        best = cands[np.argsort(-log_probs[cands], kind="stable")[:k]]
         made = []
         for t in best:
             made.append(len(tokens))
@@ -142,3 +146,16 @@ def compact_kv(
             for cache in (key_cache, value_cache):
                 flat = cache.view(-1, *cache.shape[2:])
                 flat[int(query_slots[dst])] = flat[int(query_slots[src])]
+
+
+def compact_kv_slots(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src: np.ndarray, dst: np.ndarray) -> None:
+    """compaction_moves of several requests at once, as slots: every layer's standard-layout cache gets
+    cache[dst] = cache[src] in one gather and one scatter per tensor. Equal to applying the moves one by one,
+    since a request's sources lie past all its earlier destinations and requests' slots are disjoint."""
+    if not len(src):
+        return
+    src_t, dst_t = torch.from_numpy(src.astype(np.int64)), torch.from_numpy(dst.astype(np.int64))
+    for key_cache, value_cache in kv_caches:
+        for cache in (key_cache, value_cache):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat[dst_t.to(flat.device)] = flat[src_t.to(flat.device)]

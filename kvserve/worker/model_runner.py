@@ -69,6 +69,7 @@ from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_bloc
 from kvserve.worker.kv_io import KVIO
 from kvserve.worker.sampling_inputs import build_sampling_metadata
 from kvserve.worker.step_inputs import StepInputs, draft_matrix, prepare_step_inputs, ragged_arange
+from kvserve.worker.tree_step import apply_tree_layout, check_tree_attention, walk_trees
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,10 @@ class ModelRunner:
                 self.generator,
                 self.device,
             )
+        # Draft trees: each request's proposed tree's parents, until the step that verifies it (tree_step.py).
+        self._tree_parents: dict[str, np.ndarray] = {}
+        if spec_config is not None and spec_config.tree:
+            check_tree_attention(self.attn_backend, self.block_size)
         self._kv_transfer_config = kv_transfer_config
         self.kv_io: KVIO | None = None  # with the KV cache (initialize_kv_cache)
         self.num_blocks = 0
@@ -387,6 +392,11 @@ class ModelRunner:
         self.batch.num_computed_tokens[step.rows] = step.seq_lens
         with self.timer.phase("logits"):
             logits, num_logits = self._logits(step, hidden)
+            if step.trees and logits is not None:
+                # From here on the step is the chain of each tree's accepted path (worker/tree_step.py).
+                logits, num_logits, step, hidden = walk_trees(
+                    step, logits, num_logits, hidden, self.batch, self.kv_caches
+                )
         # Async: the step in flight's tokens reach the rows before this step's sampling inputs are built from them.
         previous = self._finish(self._in_flight_take())
         with self.timer.phase("sample"):
@@ -411,7 +421,10 @@ class ModelRunner:
             num_scheduled = {r: n for r, n in num_scheduled.items() if r not in failed_loads}
         if not num_scheduled:
             return None
-        return prepare_step_inputs(self.batch, so, num_scheduled, self.block_size, self.attn_backend, self.graphs)
+        step = prepare_step_inputs(self.batch, so, num_scheduled, self.block_size, self.attn_backend, self.graphs)
+        if self._tree_parents:
+            step = apply_tree_layout(step, self._tree_parents, self.attn_backend)
+        return step
 
     def _forward(self, step: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The step's hidden states; `fill` = (token indices, ids on the device) overrides input ids. A KV
@@ -423,7 +436,8 @@ class ModelRunner:
             hidden = self.graphs.run(step.input_ids, step.positions, step.attn_inputs, step.graph_size, fill)
             self.kv_io.save_all_layers()
             return hidden
-        ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
+        model_positions = step.positions if step.model_positions is None else step.model_positions
+        ids, positions = self._to_device(step.input_ids), self._to_device(model_positions)
         if fill is not None:
             ids[fill[0]] = fill[1]
         return self.model(ids, positions, self.kv_caches, step.attn_metadata, self.kv_io.layer_hooks())
@@ -628,10 +642,17 @@ class ModelRunner:
         )
         for i, d in zip(drafted_idx.tolist(), proposal.drafts, strict=True):
             drafts[i] = d
+        if proposal.parents is not None:
+            for i, p in zip(drafted_idx.tolist(), proposal.parents, strict=True):
+                if p:
+                    self._tree_parents[step.req_ids[i]] = np.array(p, dtype=np.int64)
+                else:
+                    self._tree_parents.pop(step.req_ids[i], None)
         return drafts, proposal
 
     def _forget(self, req_id: str) -> None:
         self.batch.remove(req_id)
+        self._tree_parents.pop(req_id, None)
         if self.proposer is not None:
             self.proposer.forget(req_id)
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from kvserve.attention.base import AttentionBackend, AttentionInputs
 from kvserve.core.sched_output import SchedulerOutput
+from kvserve.spec_decode.tree import DraftTree
 from kvserve.worker.cuda_graph import DecodeGraphRunner
 from kvserve.worker.input_batch import InputBatch, RequestState
 
@@ -28,6 +29,10 @@ class StepInputs:
     attn_metadata: Any  # None when the step replays a CUDA graph (its metadata lives in the graph's buffers)
     graph_size: int | None  # the padded batch size of the CUDA graph this step replays, or None (eager)
     token_rows: np.ndarray  # [T] InputBatch row of each token
+    # Draft trees (worker/tree_step.py): the model's RoPE positions, where a tree node sits at root + depth while
+    # its KV slot follows the step's run (`positions`, which address the slots); None: `positions`.
+    model_positions: np.ndarray | None = None  # [T]
+    trees: dict[int, DraftTree] | None = None  # step request index -> the tree it verifies
 
 
 def prepare_step_inputs(

@@ -149,3 +149,18 @@ def test_probes_alone_are_charged_their_measured_seconds():
         policy.observe_step(1, True, 17 * MS, 0.0, 0, 0.0, 0)
     assert granted == [0] * 100
     assert policy.grant([bad], [True], 1000) == [0]  # 100 steps of 17 ms earned 34 ms of the 200
+
+
+def test_a_tree_is_credited_with_its_depth_only():
+    """A tree of 8 nodes and depth 2: its k nodes cost k drafts, but only its first two levels can be accepted,
+    so the policy never pays for nodes past what two levels gain, and a whole accepted path counts no miss."""
+    tree = SpeculativeConfig("eagle", 8, tree_depth=2, tree_topk=4, tree_num_nodes=8)
+    chain = SpeculativeConfig("eagle", 8)
+    # Compute-bound enough (0.3 ms a token on a 17 ms step) that each node has to earn its place.
+    tree_policy = _measured_policy(tree, 17.0, 0.3, 0.0)
+    chain_policy = _measured_policy(chain, 17.0, 0.3, 0.0)
+    assert chain_policy.decide([[0.9] * 8], 1) == [8]
+    assert tree_policy.decide([[0.9] * 8], 1) == [2]
+    state = tree_policy.new_state(0)
+    tree_policy.observe_verification(state, 8, 2)
+    assert state.acceptance.num_observed == 2 and state.acceptance.values[1] > PRIOR_ACCEPTANCE

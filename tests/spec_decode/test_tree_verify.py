@@ -1,6 +1,6 @@
 """The tree layers together on the tiny target (fp32): grow a draft tree, verify it in one target forward with tree
 attention (depth positions, ancestor mask), walk it greedily, compact the accepted path's K/V; the emitted tokens
-must equal greedy decoding with speculation off. Not yet the engine's path (the runner does not propose trees)."""
+must equal greedy decoding with speculation off. The engine's own path: test_tree_engine.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,134 @@
+"""The runner's side of EAGLE-2 draft trees: laying a tree's verification out in a step, and turning the verified
+step into the chain of its accepted path.
+
+Layout: a request verifying a tree of N nodes is scheduled like a chain of N drafts (the nodes' tokens follow its
+known tokens in its row, its query is the root and the N nodes, in N + 1 consecutive KV slots), but the model
+sees node j at RoPE position root + depth(j) and through the tree's ancestor mask (AttentionInputs.query_masks).
+
+After the forward pass, `walk_trees` walks each tree greedily on the target's argmax (spec_decode/tree.py), moves
+the accepted path's K/V into the chain order (the node at depth d to slot root + d), and rewrites the step as if
+the request had verified the path as a chain: its logits rows, its drafts in the row, its hidden rows for the
+proposer. The rejection sampler then verifies that chain as usual (for greedy rows it accepts the whole path;
+sampled rows draw from the target's distribution exactly, the path being one-hot drafts chosen before the draw),
+so logprobs, penalties and seeds behave as with chains. The rest of the tree's slots are past the request's
+computed tokens: later steps overwrite them, as a chain's rejected drafts'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from kvserve.attention.base import AttentionBackend, KVCache
+from kvserve.spec_decode.tree import DraftTree, compact_kv_slots, compaction_moves, greedy_walk
+from kvserve.worker.input_batch import InputBatch
+from kvserve.worker.step_inputs import StepInputs
+
+
+def apply_tree_layout(step: StepInputs, parents: dict[str, np.ndarray], backend: AttentionBackend) -> StepInputs:
+    """The step with its tree requests' RoPE positions and ancestor masks (and metadata built for them);
+    `parents`: each request's proposed tree's parents. A request verifies the first num_drafts nodes it was
+    scheduled (a prefix of a topological order is a tree). `step` itself when no request verifies a tree."""
+    trees: dict[int, DraftTree] = {}
+    for i, req_id in enumerate(step.req_ids):
+        n = int(step.num_drafts[i])
+        if n and req_id in parents:
+            end = int(step.query_start_loc[i + 1])
+            tokens = step.input_ids[end - n : end].astype(np.int64)
+            trees[i] = DraftTree(tokens, parents[req_id][:n], np.zeros(n))
+    if not trees:
+        return step
+    assert step.graph_size is None, "draft trees run eagerly (no decode graph has a query of more than one token)"
+    model_positions = step.positions.copy()
+    masks = {}
+    for i, tree in trees.items():
+        end = int(step.query_start_loc[i + 1])
+        root = end - len(tree) - 1
+        model_positions[root:end] = tree.positions(int(step.positions[root]))
+        masks[i] = tree.ancestor_mask()
+    attn_inputs = replace(step.attn_inputs, query_masks=masks)
+    return replace(
+        step,
+        attn_inputs=attn_inputs,
+        attn_metadata=backend.build_metadata(attn_inputs),
+        model_positions=model_positions,
+        trees=trees,
+    )
+
+
+def walk_trees(
+    step: StepInputs,
+    logits: torch.Tensor,  # [sum(num_logits), V] the scored rows (tree requests: the root and every node)
+    num_logits: np.ndarray,  # [S] per sampling request
+    hidden: torch.Tensor,  # [T, hidden]
+    batch: InputBatch,
+    kv_caches: list[KVCache],
+) -> tuple[torch.Tensor, np.ndarray, StepInputs, torch.Tensor]:
+    """Walk each tree, compact its accepted path's K/V, and return the step as chains: (logits rows, num_logits,
+    step, hidden) where a tree request has the root's and its path's rows only, the path's tokens as its drafts
+    (written after its known tokens in `batch`), its computed count moved back past the rest of the tree, and
+    its hidden rows and input ids in chain order (the proposer mirrors a chain). No masks nor tree positions
+    remain in the returned step (the proposer builds its own metadata from its inputs)."""
+    assert step.trees is not None
+    qsl = step.query_start_loc
+    first_row = np.cumsum(num_logits) - num_logits
+    where = {int(i): j for j, i in enumerate(step.sample_idx.tolist())}
+    tree_rows = np.concatenate([first_row[where[i]] + np.arange(len(t) + 1) for i, t in step.trees.items()])
+    argmax = logits[torch.from_numpy(tree_rows).to(logits.device)].argmax(dim=-1).cpu().numpy()
+    row_keep = [np.arange(int(first_row[j]), int(first_row[j] + num_logits[j])) for j in range(len(num_logits))]
+    new_num_logits = num_logits.copy()
+    token_perm = np.arange(len(step.input_ids))
+    src_slots, dst_slots = [], []
+    done = 0
+    for i, tree in step.trees.items():
+        j = where[i]
+        path, _ = greedy_walk(tree, argmax[done : done + len(tree) + 1])
+        done += len(tree) + 1
+        row_keep[j] = first_row[j] + np.array([0] + [p + 1 for p in path], dtype=np.int64)
+        new_num_logits[j] = len(path) + 1
+        root = int(qsl[i + 1]) - len(tree) - 1
+        moves = compaction_moves(path)
+        src_slots += [step.attn_inputs.slot_mapping[root + s] for s, _ in moves]
+        dst_slots += [step.attn_inputs.slot_mapping[root + d] for _, d in moves]
+        order = [0] + [p + 1 for p in path]
+        order += [q for q in range(len(tree) + 1) if q not in set(order)]
+        token_perm[root : root + len(tree) + 1] = root + np.array(order)
+        row = int(step.rows[i])
+        start = int(batch.num_tokens[row])
+        batch.token_ids[row, start : start + len(path)] = tree.tokens[path]
+        batch.num_computed_tokens[row] -= len(tree) - len(path)
+    compact_kv_slots(kv_caches, np.array(src_slots, dtype=np.int64), np.array(dst_slots, dtype=np.int64))
+    keep = torch.from_numpy(np.concatenate(row_keep)).to(logits.device)
+    perm = torch.from_numpy(token_perm).to(hidden.device)
+    chain_step = replace(
+        step,
+        input_ids=step.input_ids[token_perm],
+        attn_inputs=replace(step.attn_inputs, query_masks=None),
+        attn_metadata=None,
+        model_positions=None,
+        trees=None,
+        num_drafts=step.num_drafts.copy(),
+    )
+    for i in step.trees:
+        chain_step.num_drafts[i] = new_num_logits[where[i]] - 1
+    return logits[keep], new_num_logits, chain_step, hidden[perm]
+
+
+def check_tree_attention(backend: AttentionBackend, block_size: int) -> None:
+    """Refuse, at start-up, an attention backend whose kernels take no tree mask (ValueError saying what to use).
+    NOTE: refused rather than switched to the standard layout: the layout is the C++ backend's own choice
+    (fixed for the pool's life, and the fastest bf16 decode), and kernels with masks are under way."""
+    uses_packed = getattr(backend, "uses_packed_layout", None)
+    if uses_packed is not None and uses_packed(block_size):
+        raise ValueError(
+            "speculative_config: EAGLE draft trees need tree attention, which the C++ backend's pair-packed KV "
+            "layout (a bf16 model on a CPU with AVX512-BF16) does not have yet: use dtype float32, or "
+            "attention_backend torch"
+        )
+    if "triton" in type(backend).__module__:
+        raise ValueError(
+            "speculative_config: EAGLE draft trees need tree attention, which the Triton attention kernels do not "
+            "have yet: use a CPU attention backend"
+        )

@@ -1,0 +1,169 @@
+"""EAGLE-2 draft trees through the engine (fp32, tiny random target, an EAGLE head fitted to it here so that trees
+are accepted): greedy outputs token-identical to speculation off under batching, prefix hits, chunked prefill and
+preemption (recompute and swap), on the torch and C++ backends; every KV block free after each workload."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import SpeculativeConfig
+from kvserve.spec_decode.eagle_train import (
+    embedding_and_lm_head,
+    hf_llama_config,
+    save_head,
+    target_features,
+    train_head,
+)
+from kvserve.worker.tree_step import check_tree_attention
+from tests.conftest import assert_all_blocks_free
+from tests.engine.test_spec_decode import assert_same_greedy, copy_prompts, token_ids
+from tests.kernels.build import require_kernels
+
+TREE = {"method": "eagle", "tree_depth": 3, "tree_topk": 2, "tree_num_nodes": 6, "adaptive": False}
+
+
+def tree_config(head: str, **kw) -> dict:
+    return {**TREE, "model": head, **kw}
+
+
+@pytest.fixture(scope="module")
+def plain(target_path) -> LLM:
+    return LLM(target_path, dtype="float32", max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def fitted_head(target_path, tmp_path_factory) -> str:
+    """An EAGLE head fitted for a few seconds to the target's greedy outputs (its short loops): a head that is
+    often right, but not always, so trees are both accepted and cut."""
+    llm = LLM(target_path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompts = copy_prompts(24, 77, length=6, repeats=2)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    seqs = [p["prompt_token_ids"] + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
+    config = llm.engine.engine_core.executor.driver_runner.model_config
+    embed, lm_head = embedding_and_lm_head(config)
+    hf_config = hf_llama_config(config.arch)
+    head, result = train_head(hf_config, embed, lm_head, seqs, target_features(llm, seqs), train_seconds=6.0)
+    folder = str(tmp_path_factory.mktemp("fitted-eagle-head"))
+    save_head(head, hf_config, folder, result)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["torch", "cpu"])
+def tree_llm(request, target_path, fitted_head) -> LLM:
+    if request.param == "cpu":
+        require_kernels()
+    return LLM(
+        target_path,
+        dtype="float32",
+        max_model_len=256,
+        attention_backend=request.param,
+        speculative_config=tree_config(fitted_head),
+    )
+
+
+def test_greedy_identical_batched_and_prefix_hits(plain, tree_llm):
+    prompts = copy_prompts(5, 11)
+    assert_same_greedy(plain, tree_llm, prompts, max_tokens=40)
+    stats = tree_llm.stats()["spec_decoding"]
+    print(stats)
+    # The trees did work: several tokens accepted per verification on average, some of them two deep or more.
+    assert stats["mean_acceptance_length"] > 1.5 and stats["num_accepted_tokens_per_pos"][1] > 0
+    hits = tree_llm.stats()["prefix_cache"]["num_hit_tokens"]
+    shared = [{"prompt_token_ids": p["prompt_token_ids"] + [7, 8, 9]} for p in prompts[:3]]
+    assert_same_greedy(plain, tree_llm, prompts[:3] + shared, max_tokens=40)
+    assert tree_llm.stats()["prefix_cache"]["num_hit_tokens"] > hits
+
+
+def test_tree_of_top1_is_the_chain(target_path, fitted_head):
+    """A tree of top-1 children (tree_topk 1) is a chain: the same drafts, so the same acceptance counts."""
+    prompts = copy_prompts(5, 11)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    chain = {"method": "eagle", "model": fitted_head, "num_speculative_tokens": 3, "adaptive": False}
+    stats = []
+    for config in (chain, tree_config(fitted_head, tree_depth=3, tree_topk=1, tree_num_nodes=3)):
+        llm = LLM(target_path, dtype="float32", max_model_len=256, speculative_config=config)
+        token_ids(llm, prompts, params)
+        stats.append(llm.stats()["spec_decoding"])
+        assert_all_blocks_free(llm)
+    assert stats[0] == stats[1] and stats[0]["num_accepted_tokens_per_pos"][2] > 0
+
+
+def small_pool_llm(target_path: str, config: dict, **kwargs) -> LLM:
+    """14 blocks and 24 tokens per step: five requests of ~80 tokens force chunked prefill and preemption."""
+    return LLM(
+        target_path,
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=24,
+        num_kv_blocks=14,
+        speculative_config=config,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_identical_with_chunked_prefill_and_preemption(mode, target_path, fitted_head, plain):
+    kwargs = {"preemption_mode": "swap", "swap_space": 1 << 20} if mode == "swap" else {}
+    llm = small_pool_llm(target_path, tree_config(fitted_head), **kwargs)
+    assert_same_greedy(plain, llm, copy_prompts(5, 13, length=16), max_tokens=40)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    if mode == "swap":
+        assert stats["num_swapped_out"] > 0
+    assert stats["spec_decoding"]["num_accepted_tokens"] > 0
+
+
+def test_sampling_with_trees_is_seeded_and_frees_blocks(target_path, fitted_head):
+    """temperature > 0: the tree's argmax path is verified as a chain of one-hot drafts (exact in distribution,
+    worker/tree_step.py); seeded outputs repeat, and the blocks come back."""
+    llm = LLM(target_path, dtype="float32", max_model_len=256, speculative_config=tree_config(fitted_head))
+    prompts = copy_prompts(3, 5)
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=1234, ignore_eos=True)
+    first = token_ids(llm, prompts, params)
+    assert token_ids(llm, prompts, params) == first
+    assert_all_blocks_free(llm)
+
+
+def test_adaptive_policy_runs_with_trees(target_path, fitted_head, plain):
+    llm = LLM(
+        target_path,
+        dtype="float32",
+        max_model_len=256,
+        speculative_config=tree_config(fitted_head, adaptive=True),
+    )
+    prompts = copy_prompts(3, 21)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    assert token_ids(llm, prompts, params) == token_ids(plain, prompts, params)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 3, "tree_depth": 3}, "for method 'eagle'"),
+        ({"method": "eagle", "num_speculative_tokens": 3, "tree_topk": 0}, "tree_topk must be an integer >= 1"),
+        ({"method": "eagle", "num_speculative_tokens": 3, "tree_num_nodes": 5}, "differ"),
+        ({"method": "eagle", "tree_depth": 2, "tree_topk": 2, "tree_num_nodes": 7}, "exceeds the 6 nodes"),
+    ],
+)
+def test_config_errors(config, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(config)
+
+
+def test_config_defaults():
+    chain = SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 4})
+    assert not chain.tree and chain.num_lookahead_slots == 4
+    tree = SpeculativeConfig.from_dict({"method": "eagle", "tree_num_nodes": 10})
+    assert tree.tree and (tree.tree_depth, tree.tree_topk, tree.num_speculative_tokens) == (4, 4, 10)
+    assert tree.num_lookahead_slots == 12  # three expansions of at most 4 nodes per level
+
+
+def test_backends_without_tree_attention_are_refused():
+    class PairPacked:
+        def uses_packed_layout(self, block_size: int) -> bool:
+            return True
+
+    with pytest.raises(ValueError, match="pair-packed KV layout"):
+        check_tree_attention(PairPacked(), 16)  # type: ignore[arg-type]
