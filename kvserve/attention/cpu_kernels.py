@@ -2,7 +2,9 @@
 
 Every decode token and every token of a prefill chunk is one row of a single kernel call that reads K/V through
 its request's block table up to the token's own position (so causality needs no mask): one call per layer, no
-gathered context, no per-request loop. A row walks its context block by block from position 0 in the same steps
+gathered context, no per-request loop. A draft tree's query tokens (tree attention, AttentionInputs.query_masks)
+are rows too: each carries a 64-bit word of the tree keys it may not see (common.tree_hidden_keys), which the
+kernels mask; ordinary rows carry none. A row walks its context block by block from position 0 in the same steps
 whatever else is in the call, so its output depends on its query and its context alone: the backend is
 batch-invariant (deterministic inference, kvserve/layers/batch_invariant.py).
 

@@ -96,6 +96,7 @@ inline uint64_t row_hidden_keys(const int64_t* hidden, int64_t s) {
 // whose rows are `stride` apart. Loops over the set bits only: a no-op for an ordinary row (hidden = 0).
 inline void mask_hidden_keys(float* scores, int nq, int64_t stride, uint64_t hidden, int64_t len, int64_t start,
                              int n) {
+  if (start + n <= len - 64) return;  // the block lies wholly before the keys a word can name
   for (uint64_t h = hidden; h != 0; h &= h - 1) {
     const int64_t t = len - 1 - __builtin_ctzll(h) - start;
     if (t < 0 || t >= n) continue;

@@ -137,8 +137,9 @@ void packed_decode(const uint16_t* q, const C* k_cache, const C* v_cache, const 
           for (int t0 = skip / 16 * 16; t0 < n; t0 += 16) {
             const int cnt = std::min(16, n - t0);
             __mmask16 valid = static_cast<__mmask16>(((1u << cnt) - 1) & ~((1u << std::max(0, skip - t0)) - 1));
-            if (hid != 0) {  // tree attention: the keys the row may not see get -inf too
-              valid &= static_cast<__mmask16>(~hidden_lanes16(hid, len - 1 - (start + t0)));
+            const int64_t back = len - 1 - (start + t0);  // how far lane 0's key lies behind the row's own
+            if (hid != 0 && back < 64 + 15) {  // tree attention: the keys the row may not see (its last 64) too
+              valid &= static_cast<__mmask16>(~hidden_lanes16(hid, back));
               if (valid == 0) continue;  // nothing visible: the sub-tile adds nothing (and m may still be -inf)
             }
             // q.k for 16 tokens: lane t of s[g] is the score of token t0 + t. Two chains per head hide latency.
