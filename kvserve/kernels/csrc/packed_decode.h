@@ -165,8 +165,8 @@ void packed_decode(const uint16_t* q, const C* k_cache, const C* v_cache, const 
             }
             for (int g = 0; g < G; ++g) {
               const int j = static_cast<int>(hh) * G + g;
-              // Lanes past the context (or hidden by a tree) get -inf, hence probability 0 (their cache slots hold stale
-              // finite values).
+              // Lanes past the context or hidden by a tree get -inf, hence probability 0 (their cache slots hold
+              // stale finite values).
               __m512 sc = _mm512_mask_mul_ps(neg_inf, valid, _mm512_add_ps(s0[g], s1[g]), vscale);
               if constexpr (ALIBI) {  // -inf lanes stay -inf
                 const float rel0 = static_cast<float>(start + t0 - (len - 1));
