@@ -34,6 +34,8 @@ class AttentionInputs:
     # Tree attention (speculative draft trees, kvserve/spec_decode/tree.py): request index -> [q_len, q_len] bool,
     # True where query token j may see query token i of the same request (ancestors and itself). It replaces the
     # causal mask among that request's query tokens only; the cached context stays wholly visible. None: causal.
+    # A token may see only itself and earlier query tokens (topological order), and the kernels take trees of at
+    # most 64 query tokens (attention/common.py: tree_hidden_keys, the per-token bits the C++ and Triton kernels read).
     query_masks: dict[int, np.ndarray] | None = None
 
 

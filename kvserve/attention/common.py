@@ -37,6 +37,40 @@ def prefill_span(inputs: AttentionInputs, i: int) -> PrefillSpan:
     return PrefillSpan(start, q_len, seq_len, block_ids, mask, inputs.block_size, query_mask)
 
 
+# A tree's query tokens per request at most: the kernels hold each query token's mask over the keys of the tree in
+# one 64-bit word (tree_hidden_keys).
+MAX_TREE_QUERY_TOKENS = 64
+
+
+def tree_hidden_keys(inputs: AttentionInputs) -> np.ndarray | None:
+    """The kernels' form of `inputs.query_masks`: [T] int64, one word per query token of the step, whose bit b hides
+    the key at position (the token's own position - b) from it; 0 for every token of a request without a mask.
+    None when no request has one (the kernels then run their unmasked path unchanged).
+
+    Query token r of a request sees the keys up to its own slot (its context length is its slot position + 1), so
+    its mask row's columns c <= r map to bits r - c; a mask that lets a token see a later query token (not in
+    topological order) or a tree of more than 64 query tokens is refused with a ValueError."""
+    if not inputs.query_masks:
+        return None
+    qsl = inputs.query_start_loc
+    hidden = np.zeros(int(qsl[-1]), dtype=np.uint64)
+    for i, mask in inputs.query_masks.items():
+        mask = np.asarray(mask, dtype=bool)
+        q_len = int(qsl[i + 1] - qsl[i])
+        if mask.shape != (q_len, q_len):
+            raise ValueError(f"query_masks[{i}]: shape {mask.shape}, the request has {q_len} query tokens")
+        if q_len > MAX_TREE_QUERY_TOKENS:
+            raise ValueError(
+                f"query_masks[{i}]: a tree of {q_len} query tokens; the attention kernels take at most "
+                f"{MAX_TREE_QUERY_TOKENS}"
+            )
+        if np.triu(mask, 1).any():
+            raise ValueError(f"query_masks[{i}]: a query token may only see earlier ones (topological order)")
+        rows, cols = np.nonzero(np.tril(~mask))
+        np.bitwise_or.at(hidden, int(qsl[i]) + rows, np.left_shift(np.uint64(1), (rows - cols).astype(np.uint64)))
+    return hidden.view(np.int64)
+
+
 def sdpa_prefill_spans(
     q: torch.Tensor,  # [T, H, hd]
     k: torch.Tensor,  # [T, Hkv, hd], the step's new keys

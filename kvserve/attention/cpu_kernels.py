@@ -2,7 +2,9 @@
 
 Every decode token and every token of a prefill chunk is one row of a single kernel call that reads K/V through
 its request's block table up to the token's own position (so causality needs no mask): one call per layer, no
-gathered context, no per-request loop. A row walks its context block by block from position 0 in the same steps
+gathered context, no per-request loop. A draft tree's query tokens (tree attention, AttentionInputs.query_masks)
+are rows too: each carries a 64-bit word of the tree keys it may not see (common.tree_hidden_keys), which the
+kernels mask; ordinary rows carry none. A row walks its context block by block from position 0 in the same steps
 whatever else is in the call, so its output depends on its query and its context alone: the backend is
 batch-invariant (deterministic inference, kvserve/layers/batch_invariant.py).
 
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
-from kvserve.attention.common import PrefillSpan, prefill_span, sdpa_prefill_spans
+from kvserve.attention.common import PrefillSpan, prefill_span, sdpa_prefill_spans, tree_hidden_keys
 from kvserve.attention.kv_dtype import is_fp8, quantize_kv
 from kvserve.kernels.cpu import kernel_isa, load_cpu_kernels
 from kvserve.utils import cdiv
@@ -91,6 +93,8 @@ class CpuKernelMetadata:
     kernel_rows: torch.Tensor | None  # [N] int64 token indices; None = every token of the step
     token_block_table: torch.Tensor | None  # [N, max_blocks] int32, the token's request's blocks; None if N = 0
     token_seq_lens: torch.Tensor | None  # [N] int64, keys the token sees (its position + 1)
+    # Tree attention: the keys among its last 64 each row may not see (common.tree_hidden_keys); None = no tree.
+    token_hidden_keys: torch.Tensor | None  # [N] int64
     prefills: list[PrefillSpan]  # the big chunks, through SDPA (only with deterministic=False)
     packed: bool  # the cache holds the pair-packed layout
 
@@ -155,7 +159,13 @@ class CpuKernelAttentionBackend(AttentionBackend):
         # Only steps whose every query row goes through the kernel (no SDPA spans).
         if metadata.kernel_rows is not None or metadata.token_block_table is None:
             return None
-        return metadata.slot_mapping, metadata.token_block_table, metadata.token_seq_lens, metadata.packed
+        return (
+            metadata.slot_mapping,
+            metadata.token_block_table,
+            metadata.token_seq_lens,
+            metadata.packed,
+            metadata.token_hidden_keys,
+        )
 
     def build_metadata(self, inputs: AttentionInputs) -> CpuKernelMetadata:
         qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
@@ -167,13 +177,9 @@ class CpuKernelAttentionBackend(AttentionBackend):
             by_kernel = np.ones(len(seq_lens), dtype=bool)
         else:
             by_kernel = np.diff(qsl) * seq_lens <= _KERNEL_MAX_WORK
-        if inputs.query_masks:
-            # Tree attention: the kernel's causality is by position alone, so a request with an ancestor mask
-            # goes through SDPA (standard layout only; its rows are then not batch-invariant).
-            if self.uses_packed_layout(inputs.block_size):
-                raise NotImplementedError("tree attention needs the standard KV layout (not the pair-packed one)")
-            by_kernel = by_kernel.copy()
-            by_kernel[list(inputs.query_masks)] = False
+        # Tree attention: the kernels hide each row's masked tree keys (big tree chunks through SDPA take the mask
+        # as a whole, prefill_span).
+        hidden = tree_hidden_keys(inputs)
         prefills = [prefill_span(inputs, i) for i in np.flatnonzero(~by_kernel)]
         req = np.repeat(np.arange(len(seq_lens)), np.diff(qsl))  # request of each token
         rows = None
@@ -184,7 +190,9 @@ class CpuKernelAttentionBackend(AttentionBackend):
             tokens = rows_np
         else:
             tokens = np.arange(num_tokens)
-        table = seq_lens_t = None
+        table = seq_lens_t = hidden_t = None
+        if hidden is not None and hidden[tokens].any():
+            hidden_t = torch.from_numpy(np.ascontiguousarray(hidden[tokens]))
         if len(req):
             # A request's query tokens are its last q_len positions: token t sees seq_len - (end - 1 - t) keys.
             token_seq_lens = seq_lens[req] - (qsl[req + 1] - 1 - tokens)
@@ -196,6 +204,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
             kernel_rows=rows,
             token_block_table=table,
             token_seq_lens=seq_lens_t,
+            token_hidden_keys=hidden_t,
             prefills=prefills,
             packed=self.uses_packed_layout(inputs.block_size),
         )
@@ -237,6 +246,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
                 scale,
                 window,
                 alibi_slopes,
+                metadata.token_hidden_keys,
             )
             return out.view(num_tokens, -1)
         out = torch.empty(num_tokens, self.num_heads, hd, dtype=q.dtype)
@@ -250,6 +260,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
                 scale,
                 window,
                 alibi_slopes,
+                metadata.token_hidden_keys,
             )
         assert not metadata.packed, "the pair-packed layout never sends chunks to SDPA"
         if is_fp8(key_cache.dtype):  # a chunk's fresh K/V as the cache holds them, as the kernel reads them

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
+from kvserve.attention.common import tree_hidden_keys
 from kvserve.attention.triton_decode import DecodeConfig, decode_attention, first_segments, segments_per_program
 from kvserve.attention.triton_kernels import block_m_for, num_splits_for, paged_attention, write_kv
 from kvserve.device_copy import to_device
@@ -51,6 +52,9 @@ class TritonAttentionMetadata:
     num_slots: int = 0  # partial slots (>= the step's segments)
     max_segments: int = 0  # segments of the longest context the launch allows for
     segs_per_program: int = 1
+    # Tree attention (draft trees): per query token, the keys among its last 64 it may not see
+    # (common.tree_hidden_keys); read by the prefill kernel, which takes every multi-token request. None: no tree.
+    hidden_keys: torch.Tensor | None = None  # [T] int64
 
 
 @dataclass
@@ -121,11 +125,12 @@ class TritonAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------------ eager steps
 
     def build_metadata(self, inputs: AttentionInputs) -> TritonAttentionMetadata:
-        if inputs.query_masks:  # the kernels' causality is by position: a tree would be read as a chain
-            raise NotImplementedError("tree attention (query_masks) is not in the Triton kernels yet")
         qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
         num_reqs = len(seq_lens)
         num_decodes = inputs.num_decodes if self.segment_decode else 0
+        hidden = tree_hidden_keys(inputs)
+        if hidden is not None and hidden[: int(qsl[num_decodes])].any():
+            num_decodes = 0  # a one-token "tree" that hides its own key: the segment kernel has no masks
         q_lens = np.diff(qsl)
         # The prefill kernel's programs: every request past the decode rows.
         rest = np.arange(num_decodes, num_reqs)
@@ -184,6 +189,7 @@ class TritonAttentionBackend(AttentionBackend):
             segs_per_program=segments_per_program(
                 num_decodes, max_segments, self.num_kv_heads, self.decode_target_programs
             ),
+            hidden_keys=None if hidden is None or not hidden.any() else to_device(hidden, self.device),
         )
 
     def warmup(self, kv_cache: KVCache) -> None:
@@ -261,6 +267,7 @@ class TritonAttentionBackend(AttentionBackend):
             first_token=nd,  # the decode rows' tokens (one each, first) are written above
             window=window,
             alibi_slopes=alibi_slopes,
+            hidden_keys=metadata.hidden_keys,
         )
         return out.view(q.shape[0], -1)
 

@@ -125,6 +125,7 @@ def _paged_attention_kernel(
     stride_bt,
     window,  # each row sees its last `window` keys, itself included; 0: all of them
     alibi_ptr,  # [H] fp32 ALiBi slopes; unused without ALIBI
+    hidden_ptr,  # [T] int64 (tree attention): bit b of a token's word hides its position - b; unused without TREE
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
@@ -136,6 +137,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # compute the dots in fp32 (the interpreter's tl.dot mishandles bf16 and fp16)
     ALIBI: tl.constexpr,  # add slope * (key position - query position) to each row's scores
+    TREE: tl.constexpr,  # hide the keys each row's hidden_ptr word names (draft trees, common.tree_hidden_keys)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -177,6 +179,8 @@ def _paged_attention_kernel(
     row_lo = tl.where(window > 0, q_pos - window + 1, 0)
     if ALIBI:
         slope_log2 = tl.load(alibi_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634  # [BLOCK_M]
+    if TREE:
+        hidden = tl.load(hidden_ptr + token_idx, mask=row_valid, other=0)  # [BLOCK_M] int64
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -200,6 +204,11 @@ def _paged_attention_kernel(
         if ALIBI:
             s += slope_log2[:, None] * (pos[None, :] - q_pos[:, None]).to(tl.float32)
         visible = key_valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= row_lo[:, None])
+        if TREE:  # only the row's last 64 keys can be hidden (its tree's query tokens)
+            back = q_pos[:, None] - pos[None, :]  # [BLOCK_M, TILE_N], 0 for the row's own key
+            in_word = (back >= 0) & (back < 64)
+            bit = (hidden[:, None] >> tl.where(in_word, back, 0).to(tl.int64)) & 1
+            visible = visible & ~(in_word & (bit != 0))
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
@@ -325,6 +334,7 @@ def paged_attention(
     first_token: int = 0,
     window: int = 0,
     alibi_slopes: torch.Tensor | None = None,
+    hidden_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the query tokens the programs cover over their request's keys, read through the block table
     (K/V of this step's tokens must be written first). `block_m` rows per program (BLOCK_Q = block_m // group
@@ -332,7 +342,9 @@ def paged_attention(
     many programs and reduces after, over tokens `first_token`.. (the programs must cover them all: tokens before
     belong to another kernel, the decode rows of triton_decode.py). `window` > 0: each token sees only its last
     `window` keys, and no key before the window of a program's first token is loaded. `alibi_slopes` ([H] fp32):
-    head h's score of key position k for a query at position p gets slope[h] * (k - p). Returns `out`."""
+    head h's score of key position k for a query at position p gets slope[h] * (k - p). `hidden_keys` ([T] int64,
+    tree attention, attention/common.py's tree_hidden_keys): bit b of token t's word hides the key at t's position - b
+    from it. Returns `out`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -373,6 +385,7 @@ def paged_attention(
         block_table.stride(0),
         window,
         alibi_slopes if alibi_slopes is not None else max_buf,
+        hidden_keys if hidden_keys is not None else max_buf,
         GROUP=group,
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
@@ -384,6 +397,7 @@ def paged_attention(
         DOT_PRECISION=precision,
         UPCAST=q.device.type == "cpu",
         ALIBI=alibi_slopes is not None,
+        TREE=hidden_keys is not None,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens - first_token, num_heads)](

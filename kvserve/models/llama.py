@@ -168,7 +168,7 @@ class LlamaDecoderLayer(nn.Module):
         if fused_args is not None:
             layer, norms, linears, qkv_bias, sizes, eps = self._fused
             rotary = self.self_attn.rotary
-            slot_mapping, block_table, seq_lens, packed = fused_args
+            slot_mapping, block_table, seq_lens, packed, hidden_keys = fused_args
             return layer(
                 x,
                 residual,
@@ -188,6 +188,7 @@ class LlamaDecoderLayer(nn.Module):
                 packed,
                 self.self_attn.sliding_window or 0,
                 self.self_attn.k_offset,
+                hidden_keys,
             )
         if residual is None:
             residual = x

@@ -459,11 +459,3 @@ def test_decode_graph_work_capacity_is_bounded_by_the_pool():
     assert full.max_slots == 64 * 8
     small_pool = backend.alloc_decode_buffers(max_reqs=64, width=128, block_size=16, num_kv_blocks=100)
     assert small_pool.max_slots == 64 + 100 * 16 // 256 + 1
-
-
-def test_tree_attention_is_refused_not_read_as_a_chain():
-    """query_masks (tree attention) are not in the Triton kernels yet: a clear error, never a chain's output."""
-    a = make_batch([(5, 1), (17, 3)], 8, 2, 64, 16, torch.float32, seed=2)
-    a.inputs.query_masks = {1: np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=bool)}
-    with pytest.raises(NotImplementedError, match="tree attention"):
-        TritonAttentionBackend(8, 2, 64, torch.float32, DEVICE).build_metadata(a.inputs)

@@ -75,6 +75,45 @@ inline void mask_before_window(float* scores, int nq, int64_t stride, int64_t sk
     std::fill(scores + j * stride, scores + j * stride + skip, -std::numeric_limits<float>::infinity());
 }
 
+// Tree attention (speculative draft trees): per query row, an optional bit set of the keys it may not see among
+// its own last 64 (bit b hides the key at position len - 1 - b; 0 for an ordinary causal row). Only a draft tree's
+// query tokens are ever hidden, and a tree has at most 64 of them; the context before it is always visible.
+// Returns the first row's bits, or nullptr for none ([S] int64 contiguous).
+inline const int64_t* hidden_keys_ptr(const c10::optional<at::Tensor>& hidden, int64_t num_seqs) {
+  if (!hidden.has_value() || !hidden->defined()) return nullptr;
+  TORCH_CHECK(hidden->scalar_type() == at::kLong && hidden->is_contiguous() && hidden->dim() == 1 &&
+                  hidden->size(0) == num_seqs,
+              "hidden_keys: int64 [num_seqs] contiguous");
+  return hidden->data_ptr<int64_t>();
+}
+
+// The row's hidden bits (hidden_keys_ptr), 0 without a tree.
+inline uint64_t row_hidden_keys(const int64_t* hidden, int64_t s) {
+  return hidden == nullptr ? 0 : static_cast<uint64_t>(hidden[s]);
+}
+
+// Scores of the keys of a block [start, start + n) that the row's tree mask hides get -inf, for nq query heads
+// whose rows are `stride` apart. Loops over the set bits only: a no-op for an ordinary row (hidden = 0).
+inline void mask_hidden_keys(float* scores, int nq, int64_t stride, uint64_t hidden, int64_t len, int64_t start,
+                             int n) {
+  if (start + n <= len - 64) return;  // the block lies wholly before the keys a word can name
+  for (uint64_t h = hidden; h != 0; h &= h - 1) {
+    const int64_t t = len - 1 - __builtin_ctzll(h) - start;
+    if (t < 0 || t >= n) continue;
+    for (int j = 0; j < nq; ++j) scores[j * stride + t] = -std::numeric_limits<float>::infinity();
+  }
+}
+
+// The lanes of a 16-key sub-tile, whose lane 0 is the key at len - 1 - top, that the row's tree mask hides.
+inline uint32_t hidden_lanes16(uint64_t hidden, int64_t top) {
+  uint32_t lanes = 0;
+  for (int t = 0; t < 16; ++t) {
+    const int64_t b = top - t;
+    if (b >= 0 && b < 64 && ((hidden >> b) & 1)) lanes |= 1u << t;
+  }
+  return lanes;
+}
+
 // ALiBi slopes as the kernels take them: none, or one fp32 slope per query head ([H] contiguous). Returns the
 // first slope, or nullptr for none.
 inline const float* alibi_slopes_ptr(const c10::optional<at::Tensor>& slopes, int64_t num_heads) {

@@ -6,7 +6,7 @@
 
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window,
-                                  c10::optional<at::Tensor> alibi_slopes);
+                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys);
 at::Tensor sample_gumbel(at::Tensor logits, at::Tensor keys);
 std::tuple<at::Tensor, at::Tensor> topk_rows(at::Tensor x, int64_t k);
 void rms_norm_(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
@@ -23,7 +23,7 @@ at::Tensor pack_linear_weight_bf16_pairs(at::Tensor w);
 at::Tensor linear_bf16_pairs(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window,
-                                  c10::optional<at::Tensor> alibi_slopes);
+                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys);
 std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(at::Tensor x, c10::optional<at::Tensor> signs);
 int64_t int8_panel_width();
 std::tuple<at::Tensor, at::Tensor> pack_int8_weight(at::Tensor codes);
@@ -41,13 +41,15 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::option
                                                        at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
                                                        at::Tensor slot_mapping, at::Tensor block_table,
                                                        at::Tensor seq_lens, double scale, bool packed,
-                                                       int64_t window, c10::optional<at::Tensor> k_offset);
+                                                       int64_t window, c10::optional<at::Tensor> k_offset,
+                                                       c10::optional<at::Tensor> hidden_keys);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_isa", [] { return std::string(kvserve::kVecIsa); }, "the vector helpers this library was built with");
   m.def("paged_attention_decode", &paged_attention_decode, "paged attention for single-token queries (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("window") = 0, py::arg("alibi_slopes") = py::none());
+        py::arg("scale"), py::arg("window") = 0, py::arg("alibi_slopes") = py::none(),
+        py::arg("hidden_keys") = py::none());
   m.def("rms_norm_", &rms_norm_, "in-place (residual add +) RMSNorm");
   m.def("rotary_", &rotary_, "in-place rotate-half RoPE on the first heads of each row");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
@@ -58,7 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group"), py::arg("block_size"), py::arg("fp8") = false);
   m.def("paged_attention_packed", &paged_attention_packed, "paged attention over the pair-packed bf16 or fp8 cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("window") = 0, py::arg("alibi_slopes") = py::none());
+        py::arg("scale"), py::arg("window") = 0, py::arg("alibi_slopes") = py::none(),
+        py::arg("hidden_keys") = py::none());
   m.def("linear_panel_width", &linear_panel_width, "weight rows per panel of pack_linear_weight's layout");
   m.def("pack_linear_weight", &pack_linear_weight, "w [N, K] -> kvserve's panel layout [P, K, panel width]");
   m.def("linear_packed", &linear_packed, "x @ w.T (+ bias) with w in the panel layout", py::arg("x"), py::arg("wp"),
@@ -79,7 +82,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_quantize_rows", &int4_quantize_rows, "int4 linear input: rows to int8 per block of 32 (q, dx, mx)");
   m.def("int4_linear", &int4_linear, "4-bit block linear: Q4 panels, rows quantized per block of 32", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("out_dtype") = at::kFloat);
-  m.def("llama_decoder_layer", &llama_decoder_layer, "a whole Llama decoder layer over kernel-attention rows");
+  m.def("llama_decoder_layer", &llama_decoder_layer, "a whole Llama decoder layer over kernel-attention rows",
+        py::arg("x"), py::arg("residual"), py::arg("norms"), py::arg("linears"), py::arg("qkv_bias"), py::arg("sizes"),
+        py::arg("eps"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("packed"),
+        py::arg("window"), py::arg("k_offset"), py::arg("hidden_keys") = py::none());
   m.def("sample_gumbel", &sample_gumbel, "one categorical draw per row of logits (Gumbel-max, hashed noise)");
   m.def("topk_rows", &topk_rows, "each row's k largest entries, largest first, ties to the lower index");
 }

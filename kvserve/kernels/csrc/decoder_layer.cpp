@@ -24,10 +24,10 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional
                        at::ScalarType out_dtype);
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window,
-                                  c10::optional<at::Tensor> alibi_slopes);
+                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys);
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window,
-                                  c10::optional<at::Tensor> alibi_slopes);
+                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys);
 
 namespace {
 
@@ -60,7 +60,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::option
                                                        at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
                                                        at::Tensor slot_mapping, at::Tensor block_table,
                                                        at::Tensor seq_lens, double scale, bool packed,
-                                                       int64_t window, c10::optional<at::Tensor> k_offset) {
+                                                       int64_t window, c10::optional<at::Tensor> k_offset,
+                                                       c10::optional<at::Tensor> hidden_keys) {
   TORCH_CHECK(norms.size() == 2 && linears.size() == 4 && sizes.size() == 7,
               "llama_decoder_layer: 2 norms, 4 linears, 7 sizes");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "llama_decoder_layer: contiguous x [T, hidden]");
@@ -85,8 +86,10 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::option
   at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim}).contiguous();
   // NOTE: no ALiBi here: the Llama layer has RoPE (an ALiBi model runs its own layers, kvserve/models/bloom.py).
   at::Tensor attn =
-      packed ? paged_attention_packed(q, k_cache, v_cache, block_table, seq_lens, scale, window, c10::nullopt)
-             : paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window, c10::nullopt);
+      packed ? paged_attention_packed(q, k_cache, v_cache, block_table, seq_lens, scale, window, c10::nullopt,
+                                      hidden_keys)
+             : paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window, c10::nullopt,
+                                      hidden_keys);
   at::Tensor h = apply_linear(attn.view({t, q_size}), linears[1], o_n, c10::nullopt);
   rms_norm_(h, res, norms[1], eps);  // h = norm(h + res), res = h + res
   at::Tensor out = apply_linear(silu_and_mul(apply_linear(h, linears[2], gate_up_n, c10::nullopt)), linears[3],

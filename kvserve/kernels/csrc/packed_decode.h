@@ -83,7 +83,7 @@ struct Fp8Widen {
 template <int HD, int G, bool ALIBI, typename C>
 void packed_decode(const uint16_t* q, const C* k_cache, const C* v_cache, const int32_t* block_table,
                    const int64_t* seq_lens, at::BFloat16* out, const PagedShape& shape, float scale, int64_t hpt,
-                   int64_t window, const float* alibi) {
+                   int64_t window, const float* alibi, const int64_t* hidden) {
   static_assert(kW == 16, "the packed layout's 16-token tiles are one AVX-512 vector");
   constexpr bool kFp8 = kIsFp8<C>;
   static_assert(kFp8 || std::is_same_v<C, uint16_t>, "bf16 bits or fp8");
@@ -106,6 +106,7 @@ void packed_decode(const uint16_t* q, const C* k_cache, const C* v_cache, const 
       alignas(64) uint16_t p[G][16];  // one sub-tile's probabilities per query head, bf16
       [[maybe_unused]] const std::conditional_t<kFp8, Fp8Widen<C>, char> widen{};
       const int64_t len = seq_lens[s], lo = window_start(len, window);
+      const uint64_t hid = row_hidden_keys(hidden, s);
       const int64_t q0 = s * shape.num_heads + h0 * G;  // first query head of the task
       const uint32_t* qp = reinterpret_cast<const uint32_t*>(q + q0 * HD);  // its rows as bf16 pairs
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -135,6 +136,12 @@ void packed_decode(const uint16_t* q, const C* k_cache, const C* v_cache, const 
           float* a_mem = &acc[hh * G * HD];
           for (int t0 = skip / 16 * 16; t0 < n; t0 += 16) {
             const int cnt = std::min(16, n - t0);
+            __mmask16 valid = static_cast<__mmask16>(((1u << cnt) - 1) & ~((1u << std::max(0, skip - t0)) - 1));
+            const int64_t back = len - 1 - (start + t0);  // how far lane 0's key lies behind the row's own
+            if (hid != 0 && back < 64 + 15) {  // tree attention: the keys the row may not see (its last 64) too
+              valid &= static_cast<__mmask16>(~hidden_lanes16(hid, back));
+              if (valid == 0) continue;  // nothing visible: the sub-tile adds nothing (and m may still be -inf)
+            }
             // q.k for 16 tokens: lane t of s[g] is the score of token t0 + t. Two chains per head hide latency.
             __m512 s0[G], s1[G];
             for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm512_setzero_ps();
@@ -156,11 +163,10 @@ void packed_decode(const uint16_t* q, const C* k_cache, const C* v_cache, const 
                 s1[g] = dp_pair(s1[g], k1, qh + g * NP + dp + 1);
               }
             }
-            const __mmask16 valid =
-                static_cast<__mmask16>(((1u << cnt) - 1) & ~((1u << std::max(0, skip - t0)) - 1));
             for (int g = 0; g < G; ++g) {
               const int j = static_cast<int>(hh) * G + g;
-              // Lanes past the context get -inf, hence probability 0 (their cache slots hold stale finite values).
+              // Lanes past the context or hidden by a tree get -inf, hence probability 0 (their cache slots hold
+              // stale finite values).
               __m512 sc = _mm512_mask_mul_ps(neg_inf, valid, _mm512_add_ps(s0[g], s1[g]), vscale);
               if constexpr (ALIBI) {  // -inf lanes stay -inf
                 const float rel0 = static_cast<float>(start + t0 - (len - 1));
@@ -223,14 +229,14 @@ void packed_decode(const uint16_t* q, const C* k_cache, const C* v_cache, const 
 template <typename C>
 void run_packed_decode(const at::Tensor& q, const C* k_cache, const C* v_cache, const at::Tensor& block_table,
                        const at::Tensor& seq_lens, at::Tensor& out, const PagedShape& p, float scale, int64_t window,
-                       const float* alibi) {
+                       const float* alibi, const int64_t* hidden) {
   with_head_shape(p.head_dim, p.group(), [&](auto hd, auto g) {
     constexpr int HD = decltype(hd)::value, G = decltype(g)::value;
     if constexpr (!kIsFp8<C> || HD % 32 == 0) {
       auto* run = alibi != nullptr ? &packed_decode<HD, G, true, C> : &packed_decode<HD, G, false, C>;
       run(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), k_cache, v_cache,
           block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), p, scale,
-          heads_per_task(p), window, alibi);
+          heads_per_task(p), window, alibi, hidden);
     }
   });
 }

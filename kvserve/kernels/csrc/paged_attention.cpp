@@ -52,7 +52,7 @@ inline void prefetch_part(const void* p, int64_t bytes, int i, int parts) {
 template <typename T, typename C>
 void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_table,
                    const int64_t* seq_lens, T* out, const PagedShape& p, float scale, int64_t hpt,
-                   int64_t window, const float* alibi) {
+                   int64_t window, const float* alibi, const int64_t* hidden) {
   const int group = static_cast<int>(p.group());
   const int hd = static_cast<int>(p.head_dim);
   const int64_t block_size = p.block_size, token_stride = p.num_kv_heads * p.head_dim;
@@ -64,6 +64,7 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
             scores = std::vector<float>(nq * block_size), row = std::vector<float>(token_stride),
             m = std::vector<float>(nq), l = std::vector<float>(nq)](int64_t s, int64_t h0) mutable {
       const int64_t len = seq_lens[s], lo = window_start(len, window);
+      const uint64_t hid = row_hidden_keys(hidden, s);
       const int64_t q0 = s * p.num_heads + h0 * group;  // first query head of the task
       for (int j = 0; j < nq; ++j) {
         load_row(q + (q0 + j) * hd, &qf[j * hd], hd);
@@ -87,11 +88,18 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
           for (int j = 0; j < nq; ++j) scores[j * block_size + t] = dot(&qf[j * hd], k + (j / group) * hd, hd);
         }
         mask_before_window(scores.data(), nq, block_size, lo - start);
+        mask_hidden_keys(scores.data(), nq, block_size, hid, len, start, n);
         add_alibi(scores.data(), nq, block_size, n, alibi == nullptr ? nullptr : alibi + q0 % p.num_heads,
                   start - (len - 1));
         for (int j = 0; j < nq; ++j) {
           float* sc = &scores[j * block_size];
-          const float r = move_max(m[j], std::max(m[j], max_of(sc, n)));
+          const float new_max = std::max(m[j], max_of(sc, n));
+          // A block wholly hidden by the tree before any visible key: probabilities 0, nothing to rescale.
+          if (hid != 0 && new_max == -std::numeric_limits<float>::infinity()) {
+            std::fill(sc, sc + n, 0.f);
+            continue;
+          }
+          const float r = move_max(m[j], new_max);
           l[j] = l[j] * r + exp_shift_sum(sc, m[j], n);
           if (r != 1.f) scale_row(&acc[j * hd], r, hd);
         }
@@ -160,7 +168,8 @@ struct FastDecode {
   }
 
   static void run(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_table, const int64_t* seq_lens,
-                  T* out, const PagedShape& p, float scale, int64_t hpt, int64_t window, const float* alibi) {
+                  T* out, const PagedShape& p, float scale, int64_t hpt, int64_t window, const float* alibi,
+                  const int64_t* hidden) {
     const int64_t block_size = p.block_size, token_stride = p.num_kv_heads * HD;
     const int nq = static_cast<int>(hpt) * G;
     parallel_over_tasks(p, hpt, [&] {
@@ -169,6 +178,7 @@ struct FastDecode {
               kbuf = std::vector<float>(kIsFp8<C> ? block_size * HD : 0), m = std::vector<float>(nq),
               l = std::vector<float>(nq)](int64_t s, int64_t h0) mutable {
         const int64_t len = seq_lens[s], lo = window_start(len, window);
+        const uint64_t hid = row_hidden_keys(hidden, s);
         const int64_t q0 = s * p.num_heads + h0 * G;
         for (int j = 0; j < nq; ++j) {
           load_row(q + (q0 + j) * HD, &qf_all[j * HD], HD);
@@ -216,11 +226,18 @@ struct FastDecode {
             }
           }
           mask_before_window(scores.data(), nq, block_size, lo - start);
+          mask_hidden_keys(scores.data(), nq, block_size, hid, len, start, n);
           add_alibi(scores.data(), nq, block_size, n, alibi == nullptr ? nullptr : alibi + q0 % p.num_heads,
                     start - (len - 1));
           for (int j = 0; j < nq; ++j) {
             float* sc = &scores[j * block_size];
-            const float r = move_max(m[j], std::max(m[j], max_of(sc, n)));
+            const float new_max = std::max(m[j], max_of(sc, n));
+            // A block wholly hidden by the tree before any visible key: probabilities 0, nothing to rescale.
+            if (hid != 0 && new_max == -std::numeric_limits<float>::infinity()) {
+              std::fill(sc, sc + n, 0.f);
+              continue;
+            }
+            const float r = move_max(m[j], new_max);
             l[j] = l[j] * r + exp_shift_sum(sc, m[j], n);
             if (r != 1.f) scale_row(&acc[j * HD], r, HD);
           }
@@ -278,12 +295,14 @@ struct FastDecode {
 // q [S, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] of q's dtype or fp8 (e4m3fn, e5m2: unscaled
 // values, widened exactly); block_table [S, max_blocks] int32;
 // seq_lens [S] int64 (each >= 1); window: each row sees only its last `window` keys (0: all of them);
-// alibi_slopes: none, or [H] fp32 ALiBi slopes (add_alibi). Returns [S, H, D] in q's dtype.
+// alibi_slopes: none, or [H] fp32 ALiBi slopes (add_alibi); hidden_keys: none, or [S] int64 tree-attention bits
+// (hidden_keys_ptr, attention_common.h). Returns [S, H, D] in q's dtype.
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window,
-                                  c10::optional<at::Tensor> alibi_slopes) {
+                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys) {
   const PagedShape p = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens);
   const float* alibi = alibi_slopes_ptr(alibi_slopes, p.num_heads);
+  const int64_t* hidden = hidden_keys_ptr(hidden_keys, p.num_seqs);
   TORCH_CHECK(p.head_dim <= kMaxHeadDim && p.group() <= kMaxGroup && p.block_size <= kMaxBlockSize,
               "head_dim, GQA group or block size too large for the CPU decode kernel");
   auto out = at::empty_like(q);
@@ -301,9 +320,9 @@ at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v
       T* o = out.data_ptr<T>();
       const bool fast = with_head_shape(p.head_dim, p.group(), [&](auto hd, auto g) {
         FastDecode<decltype(hd)::value, decltype(g)::value, T, C>::run(qp, kc, vc, table, lens, o, p, sc, hpt,
-                                                                        window, alibi);
+                                                                        window, alibi, hidden);
       });
-      if (!fast) decode_kernel<T, C>(qp, kc, vc, table, lens, o, p, sc, hpt, window, alibi);
+      if (!fast) decode_kernel<T, C>(qp, kc, vc, table, lens, o, p, sc, hpt, window, alibi, hidden);
     });
   });
   return out;

@@ -16,7 +16,8 @@
 // The fp8 kernel (paged_attention_packed_fp8.cpp): q bf16, caches fp8 in the packed layout; out [S, H, D] bf16.
 void paged_attention_packed_fp8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out,
-                                const kvserve::PagedShape& p, float scale, int64_t window, const float* alibi);
+                                const kvserve::PagedShape& p, float scale, int64_t window, const float* alibi,
+                                const int64_t* hidden);
 
 // Whether this build runs the packed kernel for these shapes and cache type: blocks of whole 16-token tiles, and for
 // fp8 (`fp8`) head sizes of whole 32-dim chunks on a CPU with AVX512-VBMI (the widening's byte tables).
@@ -32,13 +33,14 @@ bool packed_kv_supported(int64_t head_dim, int64_t group, int64_t block_size, bo
 
 // q [S, H, D] bf16; k_cache, v_cache [num_blocks, block_size, Hkv, D] holding the packed layout, bf16 or fp8
 // (float8_e4m3fn / float8_e5m2); block_table [S, max_blocks] int32; seq_lens [S] int64 (each >= 1); window: each row
-// sees only its last `window` keys (0: all of them); alibi_slopes: none, or [H] fp32 ALiBi slopes. Returns [S, H, D]
-// bf16.
+// sees only its last `window` keys (0: all of them); alibi_slopes: none, or [H] fp32 ALiBi slopes; hidden_keys: none,
+// or [S] int64 tree-attention bits (hidden_keys_ptr, attention_common.h). Returns [S, H, D] bf16.
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window,
-                                  c10::optional<at::Tensor> alibi_slopes) {
+                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys) {
   const kvserve::PagedShape p = kvserve::check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens);
   const float* alibi = kvserve::alibi_slopes_ptr(alibi_slopes, p.num_heads);
+  const int64_t* hidden = kvserve::hidden_keys_ptr(hidden_keys, p.num_seqs);
   const bool fp8 = kvserve::is_fp8(k_cache.scalar_type());
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && (fp8 || k_cache.scalar_type() == at::kBFloat16),
               "packed cache: bf16 q, bf16 or fp8 cache");
@@ -47,13 +49,13 @@ at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v
   auto out = at::empty_like(q);
   if (fp8) {
     paged_attention_packed_fp8(q, k_cache, v_cache, block_table, seq_lens, out, p, static_cast<float>(scale), window,
-                               alibi);
+                               alibi, hidden);
     return out;
   }
 #if defined(__AVX512BF16__)
   run_packed_decode(q, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                     reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), block_table, seq_lens, out, p,
-                    static_cast<float>(scale), window, alibi);
+                    static_cast<float>(scale), window, alibi, hidden);
 #endif
   return out;
 }

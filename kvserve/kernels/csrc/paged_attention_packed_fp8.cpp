@@ -25,18 +25,19 @@
 
 void paged_attention_packed_fp8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out,
-                                const kvserve::PagedShape& p, float scale, int64_t window, const float* alibi) {
+                                const kvserve::PagedShape& p, float scale, int64_t window, const float* alibi,
+                                const int64_t* hidden) {
 #if defined(__AVX512BF16__)
   kvserve::dispatch_kv_cache(k_cache, at::BFloat16{}, [&](auto cache_tag) {
     using C = decltype(cache_tag);
     if constexpr (kvserve::kIsFp8<C>) {
       run_packed_decode(q, static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
-                        block_table, seq_lens, out, p, scale, window, alibi);
+                        block_table, seq_lens, out, p, scale, window, alibi, hidden);
     }
   });
 #else
   (void)q, (void)k_cache, (void)v_cache, (void)block_table, (void)seq_lens, (void)out, (void)p, (void)scale,
-      (void)window, (void)alibi;
+      (void)window, (void)alibi, (void)hidden;
   TORCH_CHECK(false, "the fp8 packed kernel needs AVX512-BF16");
 #endif
 }
