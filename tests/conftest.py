@@ -51,6 +51,19 @@ TINY_MODELS = {
         "LlamaConfig",
         dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, initializer_range=0.05),
     ),
+    # llama-loops with head_dim 64, so that bf16 runs take the pair-packed KV layout
+    # (tests/spec_decode/test_tree_engine.py).
+    "llama-loops-hd64": (
+        "LlamaConfig",
+        dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            initializer_range=0.05,
+        ),
+    ),
     # head_dim 64 (a shape the kernels' fast paths and the pair-packed bf16 cache take) and a long context: a
     # prompt of over 1024 tokens is a big prefill chunk (tests/engine/test_deterministic.py).
     "llama-hd64-long": (

@@ -63,6 +63,18 @@ class AttentionBackend(ABC):
         (`[num_blocks, block_size, num_kv_heads, head_dim]`, row-major) can read each other's blocks."""
         return "standard"
 
+    def move_kv_slots(self, kv_caches: list[KVCache], src: np.ndarray, dst: np.ndarray, block_size: int) -> None:
+        """cache[dst[i]] = cache[src[i]] for every layer's K and V, token slots as in slot_mapping (a draft tree's
+        accepted path moved into chain order). A request's sources lie past all its earlier destinations, so the
+        moves may run at once. Backends with their own order inside a block override it."""
+        if not len(src):
+            return
+        src_t, dst_t = torch.from_numpy(src.astype(np.int64)), torch.from_numpy(dst.astype(np.int64))
+        for key_cache, value_cache in kv_caches:
+            for cache in (key_cache, value_cache):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat[dst_t.to(flat.device)] = flat[src_t.to(flat.device)]
+
     def batch_invariant(self, block_size: int) -> bool:
         """Whether each query token's output is a function of its query and its context's keys and values alone:
         bitwise the same whatever else is in the step, however its prompt was chunked, and whichever blocks came

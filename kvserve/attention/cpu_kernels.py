@@ -152,6 +152,25 @@ class CpuKernelAttentionBackend(AttentionBackend):
     def batch_invariant(self, block_size: int) -> bool:
         return self.deterministic or self.uses_packed_layout(block_size)
 
+    def move_kv_slots(self, kv_caches: list[KVCache], src: np.ndarray, dst: np.ndarray, block_size: int) -> None:
+        if not self.uses_packed_layout(block_size):
+            return super().move_kv_slots(kv_caches, src, dst, block_size)
+        if not len(src):
+            return
+        # A token's K and V are spread over its block's tiles: unpack the touched blocks, move, pack them back.
+        blocks = np.unique(np.concatenate([src, dst]) // block_size)
+
+        def local(slots: np.ndarray) -> torch.Tensor:  # slot -> its place among the unpacked blocks
+            return torch.from_numpy(np.searchsorted(blocks, slots // block_size) * block_size + slots % block_size)
+
+        src_t, dst_t, blocks_t = local(src), local(dst), torch.from_numpy(blocks.astype(np.int64))
+        for key_cache, value_cache in kv_caches:
+            k, v = unpack_kv_blocks(key_cache[blocks_t], value_cache[blocks_t])
+            for cache in (k, v):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat[dst_t] = flat[src_t]
+            key_cache[blocks_t], value_cache[blocks_t] = pack_kv_blocks(k, v)
+
     def fused_layer(self):
         return self.kernels.llama_decoder_layer
 

@@ -127,7 +127,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "EAGLE draft trees (tree_depth, tree_topk, tree_num_nodes) on the GPU",
         lambda c: _gpu(c) and c.speculative is not None and c.speculative.tree,
-        "not supported on the GPU yet: the Triton attention kernels take no tree-attention mask",
+        "not supported on the GPU yet: the Triton prefill kernel takes the tree mask (tested in the interpreter), "
+        "but trees have not run on a GPU, in the captured decode graphs or with async scheduling",
     ),
     Rule(
         "kv_cache_dtype fp8 with draft-model or EAGLE speculation",

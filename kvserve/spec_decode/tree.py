@@ -146,16 +146,3 @@ def compact_kv(
             for cache in (key_cache, value_cache):
                 flat = cache.view(-1, *cache.shape[2:])
                 flat[int(query_slots[dst])] = flat[int(query_slots[src])]
-
-
-def compact_kv_slots(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src: np.ndarray, dst: np.ndarray) -> None:
-    """compaction_moves of several requests at once, as slots: every layer's standard-layout cache gets
-    cache[dst] = cache[src] in one gather and one scatter per tensor. Equal to applying the moves one by one,
-    since a request's sources lie past all its earlier destinations and requests' slots are disjoint."""
-    if not len(src):
-        return
-    src_t, dst_t = torch.from_numpy(src.astype(np.int64)), torch.from_numpy(dst.astype(np.int64))
-    for key_cache, value_cache in kv_caches:
-        for cache in (key_cache, value_cache):
-            flat = cache.view(-1, *cache.shape[2:])
-            flat[dst_t.to(flat.device)] = flat[src_t.to(flat.device)]

@@ -69,7 +69,7 @@ from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_bloc
 from kvserve.worker.kv_io import KVIO
 from kvserve.worker.sampling_inputs import build_sampling_metadata
 from kvserve.worker.step_inputs import StepInputs, draft_matrix, prepare_step_inputs, ragged_arange
-from kvserve.worker.tree_step import apply_tree_layout, check_tree_attention, walk_trees
+from kvserve.worker.tree_step import apply_tree_layout, walk_trees
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +146,6 @@ class ModelRunner:
             )
         # Draft trees: each request's proposed tree's parents, until the step that verifies it (tree_step.py).
         self._tree_parents: dict[str, np.ndarray] = {}
-        if spec_config is not None and spec_config.tree:
-            check_tree_attention(self.attn_backend, self.block_size)
         self._kv_transfer_config = kv_transfer_config
         self.kv_io: KVIO | None = None  # with the KV cache (initialize_kv_cache)
         self.num_blocks = 0
@@ -395,7 +393,7 @@ class ModelRunner:
             if step.trees and logits is not None:
                 # From here on the step is the chain of each tree's accepted path (worker/tree_step.py).
                 logits, num_logits, step, hidden = walk_trees(
-                    step, logits, num_logits, hidden, self.batch, self.kv_caches
+                    step, logits, num_logits, hidden, self.batch, self.kv_caches, self.attn_backend
                 )
         # Async: the step in flight's tokens reach the rows before this step's sampling inputs are built from them.
         previous = self._finish(self._in_flight_take())

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.base import AttentionBackend, KVCache
-from kvserve.spec_decode.tree import DraftTree, compact_kv_slots, compaction_moves, greedy_walk
+from kvserve.spec_decode.tree import DraftTree, compaction_moves, greedy_walk
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.step_inputs import StepInputs
 
@@ -65,6 +65,7 @@ def walk_trees(
     hidden: torch.Tensor,  # [T, hidden]
     batch: InputBatch,
     kv_caches: list[KVCache],
+    backend: AttentionBackend,
 ) -> tuple[torch.Tensor, np.ndarray, StepInputs, torch.Tensor]:
     """Walk each tree, compact its accepted path's K/V, and return the step as chains: (logits rows, num_logits,
     step, hidden) where a tree request has the root's and its path's rows only, the path's tokens as its drafts
@@ -99,7 +100,9 @@ def walk_trees(
         start = int(batch.num_tokens[row])
         batch.token_ids[row, start : start + len(path)] = tree.tokens[path]
         batch.num_computed_tokens[row] -= len(tree) - len(path)
-    compact_kv_slots(kv_caches, np.array(src_slots, dtype=np.int64), np.array(dst_slots, dtype=np.int64))
+    backend.move_kv_slots(
+        kv_caches, np.array(src_slots, dtype=np.int64), np.array(dst_slots, dtype=np.int64), step.attn_inputs.block_size
+    )
     keep = torch.from_numpy(np.concatenate(row_keep)).to(logits.device)
     perm = torch.from_numpy(token_perm).to(hidden.device)
     chain_step = replace(
@@ -114,21 +117,3 @@ def walk_trees(
     for i in step.trees:
         chain_step.num_drafts[i] = new_num_logits[where[i]] - 1
     return logits[keep], new_num_logits, chain_step, hidden[perm]
-
-
-def check_tree_attention(backend: AttentionBackend, block_size: int) -> None:
-    """Refuse, at start-up, an attention backend whose kernels take no tree mask (ValueError saying what to use).
-    NOTE: refused rather than switched to the standard layout: the layout is the C++ backend's own choice
-    (fixed for the pool's life, and the fastest bf16 decode), and kernels with masks are under way."""
-    uses_packed = getattr(backend, "uses_packed_layout", None)
-    if uses_packed is not None and uses_packed(block_size):
-        raise ValueError(
-            "speculative_config: EAGLE draft trees need tree attention, which the C++ backend's pair-packed KV "
-            "layout (a bf16 model on a CPU with AVX512-BF16) does not have yet: use dtype float32, or "
-            "attention_backend torch"
-        )
-    if "triton" in type(backend).__module__:
-        raise ValueError(
-            "speculative_config: EAGLE draft trees need tree attention, which the Triton attention kernels do not "
-            "have yet: use a CPU attention backend"
-        )

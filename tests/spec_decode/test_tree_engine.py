@@ -15,7 +15,6 @@ from kvserve.spec_decode.eagle_train import (
     target_features,
     train_head,
 )
-from kvserve.worker.tree_step import check_tree_attention
 from tests.conftest import assert_all_blocks_free
 from tests.engine.test_spec_decode import assert_same_greedy, copy_prompts, token_ids
 from tests.kernels.build import require_kernels
@@ -32,11 +31,10 @@ def plain(target_path) -> LLM:
     return LLM(target_path, dtype="float32", max_model_len=256)
 
 
-@pytest.fixture(scope="module")
-def fitted_head(target_path, tmp_path_factory) -> str:
+def fit_head(target: str, folder: str) -> str:
     """An EAGLE head fitted for a few seconds to the target's greedy outputs (its short loops): a head that is
     often right, but not always, so trees are both accepted and cut."""
-    llm = LLM(target_path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    llm = LLM(target, dtype="float32", max_model_len=256, enable_prefix_caching=False)
     prompts = copy_prompts(24, 77, length=6, repeats=2)
     outs = llm.generate(prompts, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), use_tqdm=False)
     seqs = [p["prompt_token_ids"] + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
@@ -44,9 +42,13 @@ def fitted_head(target_path, tmp_path_factory) -> str:
     embed, lm_head = embedding_and_lm_head(config)
     hf_config = hf_llama_config(config.arch)
     head, result = train_head(hf_config, embed, lm_head, seqs, target_features(llm, seqs), train_seconds=6.0)
-    folder = str(tmp_path_factory.mktemp("fitted-eagle-head"))
     save_head(head, hf_config, folder, result)
     return folder
+
+
+@pytest.fixture(scope="module")
+def fitted_head(target_path, tmp_path_factory) -> str:
+    return fit_head(target_path, str(tmp_path_factory.mktemp("fitted-eagle-head")))
 
 
 @pytest.fixture(scope="module", params=["torch", "cpu"])
@@ -160,10 +162,19 @@ def test_config_defaults():
     assert tree.num_lookahead_slots == 12  # three expansions of at most 4 nodes per level
 
 
-def test_backends_without_tree_attention_are_refused():
-    class PairPacked:
-        def uses_packed_layout(self, block_size: int) -> bool:
-            return True
-
-    with pytest.raises(ValueError, match="pair-packed KV layout"):
-        check_tree_attention(PairPacked(), 16)  # type: ignore[arg-type]
+@pytest.mark.parametrize("tree", [False, True])
+def test_bf16_pair_packed_greedy_identical(tiny_model_factory, tmp_path, tree):
+    """bf16 on the C++ backend with head_dim 64: the pair-packed KV layout where the CPU has AVX512-BF16 (its kernel
+    reads the tree mask, and the accepted path's K/V move inside packed blocks; elsewhere the standard kernel), and
+    deterministic (batch-invariant) kernels, so that a verified row computes what a decode step of it computes.
+    The chain is the control: it needs neither the mask nor the moves."""
+    require_kernels()
+    target = tiny_model_factory("llama-loops-hd64")
+    head = fit_head(target, str(tmp_path / "head"))
+    common = {"dtype": "bfloat16", "max_model_len": 256, "attention_backend": "cpu", "deterministic": True}
+    chain = {"method": "eagle", "model": head, "num_speculative_tokens": 3, "adaptive": False}
+    plain_bf16 = LLM(target, **common)
+    spec = LLM(target, **common, speculative_config=tree_config(head) if tree else chain)
+    assert_same_greedy(plain_bf16, spec, copy_prompts(4, 13), max_tokens=40)
+    stats = spec.stats()["spec_decoding"]
+    assert stats["num_accepted_tokens_per_pos"][1] > 0  # paths two deep were accepted (and moved, for a tree)
