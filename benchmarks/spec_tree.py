@@ -4,8 +4,8 @@
     PYTHONPATH=. python benchmarks/spec_tree.py --head DIR [--dtype float32] [-k 4] [--tree 4 4 12] \\
         [--draft-vocab-size 0] [--num-requests 4] [--output-len 128 128] [--json FILE]
 
-float32 by default: on a CPU with AVX512-BF16 a bf16 model's KV cache takes the pair-packed layout, whose kernels
-take no tree mask yet (the engine refuses trees there). Fixed K (`adaptive: false`) for both cells. Prints one
+float32 by default (the first figures' dtype); `--dtype bfloat16` runs trees on the pair-packed KV layout where the
+CPU has AVX512-BF16 (its kernel reads the tree mask). Fixed K (`adaptive: false`) for both cells. Prints one
 markdown row per cell: output tok/s with EAGLE and without speculation, their ratio, the draft tokens and drafts
 verified, the mean acceptance length (1 + accepted tokens per verified chain or tree).
 """

@@ -102,7 +102,13 @@ def test_sampled_distribution_matches(target_path, noisy_draft_path, plain):
     b = token_ids(plain, prompt, params)
     stats = llm.stats()["spec_decoding"]
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
-    for pos in (1, 2, 3):
+    assert_same_distribution(a, b, (1, 2, 3))
+    assert_all_blocks_free(llm)
+
+
+def assert_same_distribution(a: list[list[int]], b: list[list[int]], positions) -> None:
+    """Two-sample chi-square, per output position: the tokens of samples `a` and `b` come from one distribution."""
+    for pos in positions:
         ca, cb = Counter(t[pos] for t in a), Counter(t[pos] for t in b)
         keys = sorted(set(ca) | set(cb))
         table = torch.tensor([[ca[k] for k in keys], [cb[k] for k in keys]], dtype=torch.float64)
@@ -110,7 +116,6 @@ def test_sampled_distribution_matches(target_path, noisy_draft_path, plain):
         stat = ((table - expected) ** 2 / expected).sum()
         pvalue = float(torch.special.gammaincc(torch.tensor((len(keys) - 1) / 2, dtype=torch.float64), stat / 2))
         assert pvalue > 1e-3, (pos, ca, cb)
-    assert_all_blocks_free(llm)
 
 
 def test_seeded_sampling_reproducible(spec):

@@ -18,6 +18,7 @@ from kvserve.spec_decode.eagle_train import (
 from tests.conftest import assert_all_blocks_free
 from tests.engine.test_spec_decode import assert_same_greedy, copy_prompts, token_ids
 from tests.kernels.build import require_kernels
+from tests.spec_decode.test_model_proposers import assert_same_distribution, small_pool_llm
 
 TREE = {"method": "eagle", "tree_depth": 3, "tree_topk": 2, "tree_num_nodes": 6, "adaptive": False}
 
@@ -91,19 +92,6 @@ def test_tree_of_top1_is_the_chain(target_path, fitted_head):
     assert stats[0] == stats[1] and stats[0]["num_accepted_tokens_per_pos"][2] > 0
 
 
-def small_pool_llm(target_path: str, config: dict, **kwargs) -> LLM:
-    """14 blocks and 24 tokens per step: five requests of ~80 tokens force chunked prefill and preemption."""
-    return LLM(
-        target_path,
-        dtype="float32",
-        max_model_len=256,
-        max_num_batched_tokens=24,
-        num_kv_blocks=14,
-        speculative_config=config,
-        **kwargs,
-    )
-
-
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_identical_with_chunked_prefill_and_preemption(mode, target_path, fitted_head, plain):
     kwargs = {"preemption_mode": "swap", "swap_space": 1 << 20} if mode == "swap" else {}
@@ -125,6 +113,22 @@ def test_sampling_with_trees_is_seeded_and_frees_blocks(target_path, fitted_head
     first = token_ids(llm, prompts, params)
     assert token_ids(llm, prompts, params) == first
     assert_all_blocks_free(llm)
+
+
+def test_sampled_distribution_matches(plain, target_path, fitted_head):
+    """Sampling with trees (the argmax path verified as one-hot drafts, kvserve/worker/tree_step.py): the tokens at
+    output positions 1-3 are distributed as without speculation (two-sample chi-square)."""
+    tree_llm = LLM(target_path, dtype="float32", max_model_len=256, speculative_config=tree_config(fitted_head))
+    prompt = {"prompt_token_ids": [11, 12, 13, 14] * 4}
+    params = SamplingParams(max_tokens=4, temperature=1.5, top_k=6, ignore_eos=True, n=300)
+    before = tree_llm.stats()["spec_decoding"]
+    a = token_ids(tree_llm, prompt, params)
+    b = token_ids(plain, prompt, params)
+    after = tree_llm.stats()["spec_decoding"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    assert 0 < accepted < after["num_draft_tokens"] - before["num_draft_tokens"], after
+    assert_same_distribution(a, b, (1, 2, 3))
+    assert_all_blocks_free(tree_llm)
 
 
 def test_adaptive_policy_runs_with_trees(target_path, fitted_head, plain):
