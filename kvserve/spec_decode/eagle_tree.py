@@ -92,13 +92,13 @@ class _Expander:
         self.root_pos = root_pos
         self.root_feature = root_feature
         self.features: dict[int, torch.Tensor] = {}  # pool node -> the head's output at it (its children's feature)
+        # Draft-vocabulary column -> full id, copied to the host once per tree rather than once per expansion.
+        vocab = proposer.draft_vocab
+        self.vocab_ids = None if vocab is None else vocab.token_ids.cpu().numpy().astype(np.int64)
 
     def full_ids(self, tokens: np.ndarray) -> np.ndarray:
         """Pool tokens (draft-vocabulary columns when the head has one) -> full vocabulary ids."""
-        vocab = self.proposer.draft_vocab
-        if vocab is None:
-            return tokens
-        return vocab.token_ids.cpu().numpy()[tokens].astype(np.int64)
+        return tokens if self.vocab_ids is None else self.vocab_ids[tokens]
 
     def expand(self, pool: DraftTree, frontier: np.ndarray) -> np.ndarray:
         proposer = self.proposer
