@@ -46,6 +46,14 @@ class RejectionOutput:
     row_output: SamplerOutput
 
 
+@dataclass
+class TargetDraw:
+    greedy_pick: torch.Tensor  # [N] argmax of the constrained logits
+    transformed: torch.Tensor | None  # [N, V] logits whose softmax is p (None when every row is greedy)
+    keys: torch.Tensor | None  # [N] the rows' noise keys (None when every row is greedy)
+    target: torch.Tensor  # [N] the draw from p (greedy rows: greedy_pick)
+
+
 class RejectionSampler:
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
@@ -53,8 +61,7 @@ class RejectionSampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata, drafts: DraftInputs) -> RejectionOutput:
         """logits [N, V] fp32 with N = sum(k_i + 1) rows in request order; `md` describes those N rows (each
         position its own row: its position's seed key, penalties over the tokens before it)."""
-        num_rows, vocab = logits.shape
-        sampler = self.sampler
+        num_rows = logits.shape[0]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
         num_drafts = drafts.num_draft_tokens
         b, k_max = drafts.draft_token_ids.shape
@@ -67,24 +74,23 @@ class RejectionSampler:
         draft_ids = torch.cat([drafts.draft_token_ids, torch.zeros(b, 1, dtype=torch.int64, device=device)], dim=1)
         draft_ids = torch.where(is_draft, draft_ids, 0)
 
-        logits = sampler.apply_constraints(logits, md)
-        greedy_pick = logits.argmax(dim=-1)  # [N]
-        if md.all_greedy:
-            transformed, keys, target = None, None, greedy_pick
-        else:
-            transformed = sampler.apply_transforms(logits, md)
-            keys = sampler.draw_keys(md, num_rows).to(device)
-            greedy_rows = sampler.greedy_rows(md)
-            target = torch.where(greedy_rows, greedy_pick, sampler.gumbel(transformed, keys))  # [N]
-
-        if drafts.draft_probs is None or transformed is None:
+        draw = self.draw_targets(logits, md)
+        if drafts.draft_probs is None or draw.transformed is None:
             # One-hot drafts (or every row greedy, where p is one-hot and any q gives the same rule).
-            tokens = target[rows]  # [B, K + 1]
+            tokens = draw.target[rows]  # [B, K + 1]
             accepted = is_draft & (tokens == draft_ids)
         else:
-            assert keys is not None
+            assert draw.keys is not None
             tokens, accepted = self._full_q(
-                transformed, greedy_pick, greedy_rows, keys, rows, is_draft, draft_ids, drafts.draft_probs, target
+                draw.transformed,
+                draw.greedy_pick,
+                self.sampler.greedy_rows(md),
+                draw.keys,
+                rows,
+                is_draft,
+                draft_ids,
+                drafts.draft_probs,
+                draw.target,
             )
 
         num_accepted = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)
@@ -98,6 +104,19 @@ class RejectionSampler:
         if raw_logprobs is not None:
             add_logprobs(row_output, raw_logprobs, md, self.sampler.topk)
         return RejectionOutput(output, num_output, row_output)
+
+    def draw_targets(self, logits: torch.Tensor, md: SamplingMetadata) -> TargetDraw:
+        """What the plain sampler would emit at each of the N rows (constraints, transforms, the keyed Gumbel draw;
+        argmax for greedy rows). A draft tree's walk calls this first to pick its path (worker/tree_step.py)."""
+        sampler = self.sampler
+        logits = sampler.apply_constraints(logits, md)
+        greedy_pick = logits.argmax(dim=-1)  # [N]
+        if md.all_greedy:
+            return TargetDraw(greedy_pick, None, None, greedy_pick)
+        transformed = sampler.apply_transforms(logits, md)
+        keys = sampler.draw_keys(md, logits.shape[0]).to(logits.device)
+        target = torch.where(sampler.greedy_rows(md), greedy_pick, sampler.gumbel(transformed, keys))
+        return TargetDraw(greedy_pick, transformed, keys, target)
 
     def _full_q(
         self,

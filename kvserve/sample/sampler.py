@@ -54,6 +54,9 @@ class SamplingMetadata:
     any_greedy: bool | None = None  # some rows have temperature 0
     any_temperature: bool | None = None  # some rows have a temperature other than 0 and 1
     max_top_k: int | None = None  # top_k.max()
+    # [B] int64 noise keys chosen beforehand (on the CPU): a draft tree's walk drew them for the rows it verifies,
+    # and the rejection sampler must draw with the same noise (worker/tree_step.py). None: draw_keys makes them.
+    keys: torch.Tensor | None = None
 
 
 @dataclass
@@ -169,7 +172,10 @@ class Sampler:
     @staticmethod
     def draw_keys(md: SamplingMetadata, num_rows: int) -> torch.Tensor:
         """[B] int64 noise keys (on the CPU): a seeded row's from (seed, position), the others from the shared
-        generator."""
+        generator; `md.keys` when set."""
+        if md.keys is not None:
+            assert md.keys.shape[0] == num_rows, (md.keys.shape, num_rows)
+            return md.keys
         keys = torch.randint(0, _KEY_RANGE, (num_rows,), generator=md.generator)
         if md.seeds:  # one indexed write (a write per row cost ~2 us each, ~0.5 ms a step at 256 rows)
             rows = list(md.seeds)

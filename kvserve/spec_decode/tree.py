@@ -1,4 +1,4 @@
-"""EAGLE-2 draft trees: growing one, its tree-attention mask, the greedy walk that verifies it, and the KV moves
+"""EAGLE-2 draft trees: growing one, its tree-attention mask, the walk that verifies it, and the KV moves
 that keep only the accepted path.
 
 A tree hangs below the request's last verified token (the root, not a node). Its N nodes are flattened in
@@ -104,23 +104,24 @@ def grow_eagle2_tree(
     )
 
 
-def greedy_walk(tree: DraftTree, target_argmax: np.ndarray) -> tuple[list[int], list[int]]:
-    """Greedy verification. `target_argmax` [N + 1]: the target's argmax at each query token (root first).
-    Returns (accepted node indices root-to-leaf: the longest path whose every token equals the target's argmax
-    at its parent; the tokens to emit: the accepted ones, then the bonus, the target's argmax at the path's end)."""
+def walk_tree(tree: DraftTree, targets: np.ndarray) -> tuple[list[int], list[int]]:
+    """Verification against the target's picks. `targets` [N + 1]: the token the target emits after each query
+    token (root first): greedy, its argmax; sampled, its draw (worker/tree_step.py says why that is exact).
+    Returns (accepted node indices root-to-leaf: the longest path whose every token equals the target's pick at
+    its parent; the tokens to emit: the accepted ones, then the target's pick at the path's end)."""
     children: dict[int, list[int]] = {}
     for j, p in enumerate(tree.parents):
         children.setdefault(int(p), []).append(j)
     path: list[int] = []
     node = -1
     while True:
-        want = int(target_argmax[node + 1])
+        want = int(targets[node + 1])
         match = next((c for c in children.get(node, []) if int(tree.tokens[c]) == want), None)
         if match is None:
             break
         path.append(match)
         node = match
-    emitted = [int(tree.tokens[j]) for j in path] + [int(target_argmax[node + 1])]
+    emitted = [int(tree.tokens[j]) for j in path] + [int(targets[node + 1])]
     return path, emitted
 
 

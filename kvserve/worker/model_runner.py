@@ -69,7 +69,7 @@ from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_bloc
 from kvserve.worker.kv_io import KVIO
 from kvserve.worker.sampling_inputs import build_sampling_metadata
 from kvserve.worker.step_inputs import StepInputs, draft_matrix, prepare_step_inputs, ragged_arange
-from kvserve.worker.tree_step import apply_tree_layout, walk_trees
+from kvserve.worker.tree_step import apply_tree_layout, draw_tree_targets, walk_trees, with_tree_keys
 
 logger = logging.getLogger(__name__)
 
@@ -392,8 +392,11 @@ class ModelRunner:
             logits, num_logits = self._logits(step, hidden)
             if step.trees and logits is not None:
                 # From here on the step is the chain of each tree's accepted path (worker/tree_step.py).
+                targets, keys = draw_tree_targets(
+                    step, logits, num_logits, self.batch, self.rejection_sampler, self.vocab_size, self.generator
+                )
                 logits, num_logits, step, hidden = walk_trees(
-                    step, logits, num_logits, hidden, self.batch, self.kv_caches, self.attn_backend
+                    step, logits, num_logits, hidden, self.batch, self.kv_caches, self.attn_backend, targets, keys
                 )
         # Async: the step in flight's tokens reach the rows before this step's sampling inputs are built from them.
         previous = self._finish(self._in_flight_take())
@@ -482,6 +485,8 @@ class ModelRunner:
             metadata = build_sampling_metadata(
                 row_states, batch, self.vocab_size, self.generator, offsets, device=self.device
             )
+            if step.tree_keys is not None:
+                metadata = with_tree_keys(metadata, len(row_states), step.tree_keys)
             num_drafts = num_logits - 1
             draft_ids = draft_matrix(batch, rows, num_drafts)
             draft_probs = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionInputs
 from kvserve.core.sched_output import SchedulerOutput
@@ -33,6 +34,9 @@ class StepInputs:
     # its KV slot follows the step's run (`positions`, which address the slots); None: `positions`.
     model_positions: np.ndarray | None = None  # [T]
     trees: dict[int, DraftTree] | None = None  # step request index -> the tree it verifies
+    # After the trees' walk: (scored rows, their noise keys) the walk drew with, which the rejection sampler
+    # must draw with too; None: none were drawn (every tree request greedy, or no tree).
+    tree_keys: tuple[np.ndarray, torch.Tensor] | None = None
 
 
 def prepare_step_inputs(

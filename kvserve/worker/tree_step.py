@@ -5,13 +5,23 @@ Layout: a request verifying a tree of N nodes is scheduled like a chain of N dra
 known tokens in its row, its query is the root and the N nodes, in N + 1 consecutive KV slots), but the model
 sees node j at RoPE position root + depth(j) and through the tree's ancestor mask (AttentionInputs.query_masks).
 
-After the forward pass, `walk_trees` walks each tree greedily on the target's argmax (spec_decode/tree.py), moves
-the accepted path's K/V into the chain order (the node at depth d to slot root + d), and rewrites the step as if
-the request had verified the path as a chain: its logits rows, its drafts in the row, its hidden rows for the
-proposer. The rejection sampler then verifies that chain as usual (for greedy rows it accepts the whole path;
-sampled rows draw from the target's distribution exactly, the path being one-hot drafts chosen before the draw),
-so logprobs, penalties and seeds behave as with chains. The rest of the tree's slots are past the request's
-computed tokens: later steps overwrite them, as a chain's rejected drafts'.
+After the forward pass, `draw_tree_targets` draws at every tree row what the rejection sampler would draw there
+(greedy: the argmax; sampled: the keyed Gumbel draw from the target's distribution at the node), and `walk_trees`
+follows the children that equal those draws (spec_decode/tree.py), moves the accepted path's K/V into the chain
+order (the node at depth d to slot root + d), and rewrites the step as if the request had verified the path as a
+chain: its logits rows, its drafts in the row, its hidden rows for the proposer, and the noise keys drawn with.
+The rejection sampler then verifies that chain of one-hot drafts as usual, with the same keys: it draws the same
+tokens and accepts the whole path, so logprobs, penalties and seeds behave as with chains.
+
+Why sampling stays exact (EAGLE-2's multi-candidate rule in its one-hot form): the rejection sampler emits, at
+each position, its draw y_d from the target's distribution at the context so far, whatever the draft there was
+(an accepted draft equals y_d, a rejected one is replaced by it). The path's node at depth d + 1 is chosen from
+the draw at depth d only, never from the noise of its own position, so each y_d is a fresh draw given the tokens
+before it. With the same keys the walk's draw is the sampler's, so a position is accepted with probability
+p(any child), not p(the argmax child). (A request with penalties scores a tree node with the penalty history of
+the first nodes in topological order rather than its ancestors: its walk can then choose a path the sampler
+rejects, which costs acceptance, never exactness.) The rest of the tree's slots are past the request's computed
+tokens: later steps overwrite them, as a chain's rejected drafts'.
 """
 
 from __future__ import annotations
@@ -22,8 +32,11 @@ import numpy as np
 import torch
 
 from kvserve.attention.base import AttentionBackend, KVCache
-from kvserve.spec_decode.tree import DraftTree, compaction_moves, greedy_walk
+from kvserve.sample.rejection_sampler import RejectionSampler
+from kvserve.sample.sampler import Sampler, SamplingMetadata
+from kvserve.spec_decode.tree import DraftTree, compaction_moves, walk_tree
 from kvserve.worker.input_batch import InputBatch
+from kvserve.worker.sampling_inputs import build_sampling_metadata
 from kvserve.worker.step_inputs import StepInputs
 
 
@@ -58,6 +71,40 @@ def apply_tree_layout(step: StepInputs, parents: dict[str, np.ndarray], backend:
     )
 
 
+def draw_tree_targets(
+    step: StepInputs,
+    logits: torch.Tensor,  # [sum(num_logits), V] the scored rows (tree requests: the root and every node)
+    num_logits: np.ndarray,  # [S] per sampling request
+    batch: InputBatch,
+    rejection_sampler: RejectionSampler,
+    vocab_size: int,
+    generator: torch.Generator,
+) -> tuple[np.ndarray, torch.Tensor | None]:
+    """The rejection sampler's draw at every tree row (tree by tree in step order, root then nodes; a node's row
+    samples the token after it, at position root + depth + 1) and the rows' noise keys (None when all greedy).
+    Call before `walk_trees`, which writes the path into the batch rows this reads."""
+    assert step.trees is not None
+    first_row = np.cumsum(num_logits) - num_logits
+    where = {int(i): j for j, i in enumerate(step.sample_idx.tolist())}
+    rows, states, offsets = [], [], []
+    for i, tree in step.trees.items():
+        rows.append(first_row[where[i]] + np.arange(len(tree) + 1))
+        states += [step.states[i]] * (len(tree) + 1)
+        offsets.append(np.concatenate([[0], tree.depths()]))
+    md = build_sampling_metadata(states, batch, vocab_size, generator, np.concatenate(offsets), device=logits.device)
+    draw = rejection_sampler.draw_targets(logits[torch.from_numpy(np.concatenate(rows)).to(logits.device)], md)
+    return draw.target.cpu().numpy(), None if draw.keys is None else draw.keys.cpu()
+
+
+def with_tree_keys(md: SamplingMetadata, num_rows: int, tree_keys: tuple[np.ndarray, torch.Tensor]) -> SamplingMetadata:
+    """`md` (for the walked step's `num_rows` scored rows) with its noise keys fixed: the trees' rows get the keys
+    their walk drew with, the others fresh ones as usual."""
+    rows, keys = tree_keys
+    all_keys = Sampler.draw_keys(md, num_rows)
+    all_keys[torch.from_numpy(rows)] = keys
+    return replace(md, keys=all_keys)
+
+
 def walk_trees(
     step: StepInputs,
     logits: torch.Tensor,  # [sum(num_logits), V] the scored rows (tree requests: the root and every node)
@@ -66,28 +113,32 @@ def walk_trees(
     batch: InputBatch,
     kv_caches: list[KVCache],
     backend: AttentionBackend,
+    targets: np.ndarray,  # draw_tree_targets' draws
+    keys: torch.Tensor | None,  # and their keys
 ) -> tuple[torch.Tensor, np.ndarray, StepInputs, torch.Tensor]:
-    """Walk each tree, compact its accepted path's K/V, and return the step as chains: (logits rows, num_logits,
-    step, hidden) where a tree request has the root's and its path's rows only, the path's tokens as its drafts
-    (written after its known tokens in `batch`), its computed count moved back past the rest of the tree, and
-    its hidden rows and input ids in chain order (the proposer mirrors a chain). No masks nor tree positions
-    remain in the returned step (the proposer builds its own metadata from its inputs)."""
+    """Walk each tree on `targets`, compact its accepted path's K/V, and return the step as chains: (logits rows,
+    num_logits, step, hidden) where a tree request has the root's and its path's rows only, the path's tokens as
+    its drafts (written after its known tokens in `batch`), its computed count moved back past the rest of the
+    tree, and its hidden rows and input ids in chain order (the proposer mirrors a chain); the step's tree_keys
+    hold the keys of the kept tree rows. No masks nor tree positions remain in the returned step (the proposer
+    builds its own metadata from its inputs)."""
     assert step.trees is not None
     qsl = step.query_start_loc
     first_row = np.cumsum(num_logits) - num_logits
     where = {int(i): j for j, i in enumerate(step.sample_idx.tolist())}
-    tree_rows = np.concatenate([first_row[where[i]] + np.arange(len(t) + 1) for i, t in step.trees.items()])
-    argmax = logits[torch.from_numpy(tree_rows).to(logits.device)].argmax(dim=-1).cpu().numpy()
     row_keep = [np.arange(int(first_row[j]), int(first_row[j] + num_logits[j])) for j in range(len(num_logits))]
     new_num_logits = num_logits.copy()
     token_perm = np.arange(len(step.input_ids))
     src_slots, dst_slots = [], []
+    key_rows: dict[int, np.ndarray] = {}  # sampling request -> the kept rows' indices among the tree rows
     done = 0
     for i, tree in step.trees.items():
         j = where[i]
-        path, _ = greedy_walk(tree, argmax[done : done + len(tree) + 1])
+        path, _ = walk_tree(tree, targets[done : done + len(tree) + 1])
+        kept = np.array([0] + [p + 1 for p in path], dtype=np.int64)
+        key_rows[j] = done + kept
         done += len(tree) + 1
-        row_keep[j] = first_row[j] + np.array([0] + [p + 1 for p in path], dtype=np.int64)
+        row_keep[j] = first_row[j] + kept
         new_num_logits[j] = len(path) + 1
         root = int(qsl[i + 1]) - len(tree) - 1
         moves = compaction_moves(path)
@@ -116,4 +167,8 @@ def walk_trees(
     )
     for i in step.trees:
         chain_step.num_drafts[i] = new_num_logits[where[i]] - 1
+    if keys is not None:
+        new_first = np.cumsum(new_num_logits) - new_num_logits
+        rows = np.concatenate([new_first[j] + np.arange(new_num_logits[j]) for j in key_rows])
+        chain_step.tree_keys = (rows, keys[torch.from_numpy(np.concatenate(list(key_rows.values())))])
     return logits[keep], new_num_logits, chain_step, hidden[perm]

@@ -1,4 +1,4 @@
-"""EAGLE-2 draft trees (kvserve/spec_decode/tree.py): growth, the ancestor mask, the greedy walk, KV compaction."""
+"""EAGLE-2 draft trees (kvserve/spec_decode/tree.py): growth, the ancestor mask, the walk, KV compaction."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.spec_decode.tree import DraftTree, compact_kv, compaction_moves, greedy_walk, grow_eagle2_tree
+from kvserve.spec_decode.tree import DraftTree, compact_kv, compaction_moves, grow_eagle2_tree, walk_tree
 
 
 def test_grow_hand_example_exact():
@@ -94,14 +94,14 @@ def test_ancestor_mask_exact():
     np.testing.assert_array_equal(tree.ancestor_mask(), expected)
 
 
-def test_greedy_walk():
+def test_walk_tree():
     # root -> {10 (n0), 11 (n1)}; n0 -> {20 (n2), 21 (n3)}; n1 -> {22 (n4)}; n3 -> {30 (n5)}
     tree = DraftTree(np.array([10, 11, 20, 21, 22, 30]), np.array([-1, -1, 0, 0, 1, 3]), np.zeros(6))
     # target argmax at: root, n0..n5
-    assert greedy_walk(tree, np.array([10, 21, 0, 0, 30, 0, 99])) == ([0, 3, 5], [10, 21, 30, 99])
-    assert greedy_walk(tree, np.array([11, 0, 7, 0, 0, 0, 0])) == ([1], [11, 7])  # second root child, then bonus
-    assert greedy_walk(tree, np.array([11, 0, 22, 0, 0, 4, 0])) == ([1, 4], [11, 22, 4])
-    assert greedy_walk(tree, np.array([9, 21, 0, 0, 0, 30, 99])) == ([], [9])  # nothing accepted: the bonus only
+    assert walk_tree(tree, np.array([10, 21, 0, 0, 30, 0, 99])) == ([0, 3, 5], [10, 21, 30, 99])
+    assert walk_tree(tree, np.array([11, 0, 7, 0, 0, 0, 0])) == ([1], [11, 7])  # second root child, then bonus
+    assert walk_tree(tree, np.array([11, 0, 22, 0, 0, 4, 0])) == ([1, 4], [11, 22, 4])
+    assert walk_tree(tree, np.array([9, 21, 0, 0, 0, 30, 99])) == ([], [9])  # nothing accepted: the bonus only
 
 
 def test_compaction_moves_accepted_path_into_chain_slots():

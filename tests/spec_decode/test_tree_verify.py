@@ -11,7 +11,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.attention.base import AttentionInputs
 from kvserve.attention.cpu_kernels import CpuKernelAttentionBackend
-from kvserve.spec_decode.tree import DraftTree, compact_kv, greedy_walk, grow_eagle2_tree
+from kvserve.spec_decode.tree import DraftTree, compact_kv, grow_eagle2_tree, walk_tree
 from tests.kernels.build import require_kernels
 
 BLOCKS_PER_REQUEST = 8
@@ -95,7 +95,7 @@ def test_tree_verification_is_greedy_identical_batched(target_path, backend):
             reqs.append((ids, tree.positions(ctx), r * span + np.arange(ctx, ctx + len(ids)), tree.ancestor_mask()))
             trees.append(tree)
         for r, argmax in enumerate(forward_argmax(runner, reqs)):
-            path, emitted = greedy_walk(trees[r], argmax)
+            path, emitted = walk_tree(trees[r], argmax)
             compact_kv(runner.kv_caches, reqs[r][2], path)
             accepted_off_first_child += any(j + 1 != d for d, j in enumerate(path, 1))
             longest = max(longest, len(path))
