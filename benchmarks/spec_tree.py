@@ -1,8 +1,9 @@
 """EAGLE draft trees vs the EAGLE chain with the same head, each against speculation off in the same run (one
-`kvserve bench throughput --ablate speculative` per cell, greedy, batch 1, the `chat` workload).
+`kvserve bench throughput --ablate speculative` per cell, batch 1, the `chat` workload; greedy unless
+`--temperature`).
 
     PYTHONPATH=. python benchmarks/spec_tree.py --head DIR [--dtype float32] [-k 4] [--tree 4 4 12] \\
-        [--draft-vocab-size 0] [--num-requests 4] [--output-len 128 128] [--json FILE]
+        [--draft-vocab-size 0] [--num-requests 4] [--output-len 128 128] [--temperature 0] [--json FILE]
 
 float32 by default (the first figures' dtype); `--dtype bfloat16` runs trees on the pair-packed KV layout where the
 CPU has AVX512-BF16 (its kernel reads the tree mask). Fixed K (`adaptive: false`) for both cells. Prints one
@@ -25,7 +26,7 @@ def cell_args(ns: argparse.Namespace, config: dict, out: str) -> argparse.Namesp
     parser = argparse.ArgumentParser()
     throughput.add_parser(parser.add_subparsers())
     argv = ["throughput", "--dataset", "chat", "--num-requests", str(ns.num_requests), "--input-len", "64", "128"]
-    argv += ["--output-len", *map(str, ns.output_len), "--temperature", "0", "--max-num-seqs", "1"]
+    argv += ["--output-len", *map(str, ns.output_len), "--temperature", str(ns.temperature), "--max-num-seqs", "1"]
     argv += ["--dtype", ns.dtype, "--ablate", "speculative", "--speculative-config", json.dumps(config)]
     argv += ["--json", out]
     return parser.parse_args(argv)
@@ -40,6 +41,7 @@ def main() -> int:
     ap.add_argument("--draft-vocab-size", type=int, default=0, help="0: the full vocabulary")
     ap.add_argument("--num-requests", type=int, default=4)
     ap.add_argument("--output-len", type=int, nargs=2, default=[128, 128])
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled (trees walk the target's draws)")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
     base = {"method": "eagle", "model": ns.head, "adaptive": False, "draft_vocab_size": ns.draft_vocab_size}
