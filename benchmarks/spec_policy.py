@@ -1,14 +1,15 @@
 """Speculation that never loses: each proposer x batch size x workload, the cost-aware policy on vs speculation
 off, in the same run (one `kvserve bench throughput --ablate speculative` per cell, greedy).
 
-    PYTHONPATH=. python benchmarks/spec_policy.py [--proposers ngram eagle draft] [--batch-sizes 1 8 64] \\
+    PYTHONPATH=. python benchmarks/spec_policy.py [--proposers ngram eagle eagle-tree draft] [--batch-sizes 1 8 64] \\
         [--workloads chat random] [--repeat 1] [--waves 1] [--output-len MIN MAX] [--json FILE]
 
 Workloads: `chat` (natural questions, nothing to copy; kvserve.benchmarks.datasets) and `random` (random-token
-prompts). Batch b runs max(b, 3) requests with at most b at a time (max-num-seqs b). Proposers: n-gram (K = 4),
-the EAGLE head of scripts/train_eagle_head.py (K = 4), the 6-layer early exit of scripts/make_truncated_draft.py
-(K = 3). Prints one markdown row per cell: output tok/s with the policy and without speculation, their ratio,
-and the drafts verified (the policy leaves most requests out where drafts do not pay).
+prompts). Batch b runs max(b, 3) requests with at most b at a time (max-num-seqs b). Proposers: n-gram (K = 4), the
+EAGLE head of scripts/train_eagle_head.py (K = 4; `eagle-tree`: EAGLE-2 trees of depth 4, top-k 4, 12 nodes), the
+6-layer early exit of scripts/make_truncated_draft.py (K = 3). Prints one markdown row per cell: output tok/s with
+the policy and without speculation, their ratio, and the drafts verified (the policy leaves most requests out where
+drafts do not pay).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvserve.loader.default_model import DEFAULT_MODEL, cache_dir
 PROPOSERS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},
     "eagle": {"method": "eagle", "num_speculative_tokens": 4},
+    "eagle-tree": {"method": "eagle", "tree_depth": 4, "tree_topk": 4, "tree_num_nodes": 12},
     "draft": {
         "method": "draft_model",
         "model": os.path.join(cache_dir(), "drafts", f"{DEFAULT_MODEL}-6l"),
