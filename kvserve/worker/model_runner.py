@@ -28,7 +28,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,7 +51,7 @@ from kvserve.platform import startup_summary
 from kvserve.profiling import StepTimer
 from kvserve.sample.bitmask import apply_grammar_bitmask
 from kvserve.sample.rejection_sampler import DraftInputs, RejectionSampler
-from kvserve.sample.sampler import Sampler, SamplerOutput
+from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode.base import DraftProposal, DraftStepInputs, Proposer
 from kvserve.spec_decode.build import build_proposer
 from kvserve.utils import cdiv
@@ -64,34 +63,15 @@ from kvserve.worker.gpu_memory import (
     num_blocks_from_profile,
     profile_run,
 )
-from kvserve.worker.input_batch import InputBatch, RequestState
+from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for, prefault_kv_cache
 from kvserve.worker.kv_io import KVIO
+from kvserve.worker.launched_step import LaunchedStep, write_tokens
 from kvserve.worker.sampling_inputs import build_sampling_metadata
 from kvserve.worker.step_inputs import StepInputs, draft_matrix, prepare_step_inputs, ragged_arange
 from kvserve.worker.tree_step import apply_tree_layout, draw_tree_targets, walk_trees, with_tree_keys
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Launched:
-    """A step whose forward pass and sampling are queued; `_finish` reads its tokens and builds its output."""
-
-    so: SchedulerOutput
-    step: StepInputs
-    hidden: torch.Tensor  # [T, hidden] (a model proposer reads it)
-    states: list[RequestState]  # of the requests that sample, in order
-    num_logits: np.ndarray  # [S] scored positions per sampling request: its drafts + 1
-    # Where each request's first new token goes in its row; None: a verification step, whose rows are updated in
-    # _finish (its number of tokens is known only then).
-    positions: np.ndarray | None
-    tokens: torch.Tensor | None  # [S] or [S, K + 1] on the device (None: no request samples)
-    num_out: torch.Tensor | None  # [S] tokens each request emits (verification steps only)
-    host: torch.Tensor | None  # `tokens` on the host once `ready` has passed
-    ready: torch.cuda.Event | None
-    out: SamplerOutput | None  # for the logprobs
-    started: float = 0.0  # perf_counter() when execute_model began the step
 
 
 class ModelRunner:
@@ -151,7 +131,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_caches: list[KVCache] = []
         self.graphs: DecodeGraphRunner | None = None  # with the KV cache, on a GPU
-        self._in_flight: _Launched | None = None  # async scheduling: the last launched step
+        self._in_flight: LaunchedStep | None = None  # async scheduling: the last launched step
         self._prefault_stop = threading.Event()
         self._prefault_thread: threading.Thread | None = None
 
@@ -460,7 +440,7 @@ class ModelRunner:
         hidden: torch.Tensor,
         logits: torch.Tensor | None,
         num_logits: np.ndarray,
-    ) -> _Launched:
+    ) -> LaunchedStep:
         """Queue the step's sampling (or draft verification) and the copy of its tokens to the host. A plain
         sampling step's tokens count in their rows at once (num_tokens; their values arrive in _finish), so that
         the next step can be prepared before they are read."""
@@ -468,7 +448,7 @@ class ModelRunner:
         states = [step.states[i] for i in step.sample_idx]
         rows = step.rows[step.sample_idx]
         if logits is None:
-            return _Launched(so, step, hidden, states, num_logits, None, None, None, None, None, None)
+            return LaunchedStep(so, step, hidden, states, num_logits, None, None, None, None, None, None)
         if so.grammar_bitmask is not None:
             self._apply_grammar(so, step, num_logits, logits)
         if int(num_logits.max()) == 1:
@@ -502,13 +482,13 @@ class ModelRunner:
             host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return _Launched(so, step, hidden, states, num_logits, positions, tokens, num_out, host, ready, out)
+        return LaunchedStep(so, step, hidden, states, num_logits, positions, tokens, num_out, host, ready, out)
 
-    def _in_flight_take(self) -> _Launched | None:
+    def _in_flight_take(self) -> LaunchedStep | None:
         launched, self._in_flight = self._in_flight, None
         return launched
 
-    def _finish(self, launched: _Launched | None) -> ModelRunnerOutput | None:
+    def _finish(self, launched: LaunchedStep | None) -> ModelRunnerOutput | None:
         """Wait for a launched step's tokens, write them into the rows still held by the same requests, let the
         proposer draft, take the KV connector's report, and return the step's output."""
         if launched is None:
@@ -519,7 +499,7 @@ class ModelRunner:
         logprobs_lists: list = [None] * len(step.req_ids)
         if launched.host is not None:
             with self.timer.phase("sample"):
-                self._write_tokens(launched, sampled_lists, logprobs_lists)
+                write_tokens(launched, self.batch, sampled_lists, logprobs_lists)
         spec_token_ids, spec_timing = None, None
         if self.proposer is not None:
             # NOTE: the policy's cost model wants this step's own seconds; on a GPU the tokens are on the host
@@ -547,39 +527,6 @@ class ModelRunner:
             kv_connector_output,
             spec_timing,
         )
-
-    def _write_tokens(self, launched: _Launched, sampled_lists: list, logprobs_lists: list) -> None:
-        if launched.ready is not None:
-            launched.ready.synchronize()
-        assert launched.host is not None
-        batch, step = self.batch, launched.step
-        sample_idx = step.sample_idx.tolist()
-        if launched.positions is not None:  # one token each, counted in its row at launch
-            tokens = launched.host.numpy().tolist()
-            for j, i in enumerate(sample_idx):
-                state = launched.states[j]
-                # Async: a request finished or preempted since has left its row (maybe to another request).
-                if batch.states.get(state.req_id) is state:
-                    batch.token_ids[state.row, launched.positions[j]] = tokens[j]
-                    batch.pending[state.row] = -1
-                sampled_lists[i] = [tokens[j]]
-            num_out = np.ones(len(sample_idx), dtype=np.int64)
-        else:  # a verification step (synchronous): the accepted drafts and one more token each
-            assert launched.num_out is not None
-            tokens_np = launched.host.cpu().numpy()
-            num_out = launched.num_out.cpu().numpy()
-            rows = step.rows[step.sample_idx]
-            # Only accepted positions' KV stays valid.
-            batch.num_computed_tokens[rows] -= (launched.num_logits - 1) - (num_out - 1)
-            starts = batch.num_tokens[rows]
-            for j, i in enumerate(sample_idx):
-                emitted = tokens_np[j, : int(num_out[j])]
-                batch.token_ids[rows[j], starts[j] : starts[j] + len(emitted)] = emitted
-                sampled_lists[i] = emitted.tolist()
-            batch.num_tokens[rows] += num_out
-        out = launched.out
-        if out is not None and out.logprobs is not None:
-            self._collect_logprobs(out, step.sample_idx, launched.states, launched.num_logits, num_out, logprobs_lists)
 
     def _in_flight_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(token indices, token ids on the device) for the step's inputs that the step in flight is sampling."""
@@ -684,28 +631,6 @@ class ModelRunner:
         if n and int(idx[-1]) == n - 1 and int(idx[0]) == 0 and bool((np.diff(idx) == 1).all()):
             return hidden[:n]
         return hidden[self._to_device(idx)]
-
-    @staticmethod
-    def _collect_logprobs(
-        out: SamplerOutput,
-        sample_idx: np.ndarray,
-        states: list[RequestState],
-        num_logits: np.ndarray,
-        num_out: np.ndarray,
-        dest: list,
-    ) -> None:
-        """`out` has one row per scored position; request j's emitted tokens are its first num_out[j] rows."""
-        assert out.logprobs is not None and out.logprob_token_ids is not None and out.sampled_ranks is not None
-        ids = out.logprob_token_ids.tolist()
-        lps = out.logprobs.tolist()
-        ranks = out.sampled_ranks.tolist()
-        first_row = np.cumsum(num_logits) - num_logits
-        for j, (i, state) in enumerate(zip(sample_idx.tolist(), states, strict=True)):
-            n = state.sampling_params.logprobs
-            if n is None:
-                continue
-            r0 = int(first_row[j])
-            dest[i] = [(ids[r][: n + 1], lps[r][: n + 1], ranks[r]) for r in range(r0, r0 + int(num_out[j]))]
 
 
 def _claim_device(name: str) -> tuple[torch.device, MemorySnapshot | None]:
