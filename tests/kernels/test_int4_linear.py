@@ -50,11 +50,12 @@ def _int_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: tor
 
 
 @pytest.mark.parametrize("k,n", [(32, 3), (64, 24), (576, 200), (1536, 576), (576, 1000)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17, 18, 19, 40])
 def test_integer_outputs_are_exact(k, n, rows):
     """d = 1, m = -8 (Q4_0's form) and activations that quantize to themselves (every block holds 127, so dx = 1):
     every output is an integer below 2^24, so the kernel must equal the int64 reference exactly. Covers the GEMV
-    (1 row, panel groups and single panels), the GEMM tiles and their tails, N not a multiple of a panel."""
+    (1 row, panel groups and single panels), the GEMM tiles and their tails (on AVX2 row blocks of 16 or more take
+    the unpacked 4-row tiles: 17-19 leave tails of 1-3 rows), N not a multiple of a panel."""
     g = torch.Generator().manual_seed(k * n + rows)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     codes[0] = 15  # the largest products, 15 * 127: see row 0 below

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "panel_loops.h"
 #include "vec.h"
@@ -125,11 +126,35 @@ inline IAcc step(IAcc a, const W& w, const int8_t* x) {
   for (int i = 0; i < 2; ++i) {
     a.h[i] = _mm256_add_epi16(a.h[i], _mm256_maddubs_epi16(w.lo[i], xl));
     a.h[i] = _mm256_add_epi16(a.h[i], _mm256_maddubs_epi16(w.hi[i], xh));
+    // Keeps each step's sum in its register: without it GCC reassociates a tile's int16 sums, computes every
+    // vpmaddubsw of a block first and spills them all to the stack.
+    __asm__("" : "+x"(a.h[i]));
   }
   return a;
 }
 inline void widen(IAcc a, vi* out) {
   for (int i = 0; i < 2; ++i) out[i] = _mm256_madd_epi16(a.h[i], _mm256_set1_epi16(1));
+}
+// Batched rows on AVX2: a panel's codes are unpacked once per row block into a buffer of W records (kUnpacked
+// bytes per step, the same vectors load_w makes), so the tiles' inner loop is loads, vpmaddubsw and vpaddw only: the
+// mask-and-shift unpacking (6 of the ~28 vector operations of a step for 2 rows) leaves the loop, and without the
+// packed vectors' registers a tile takes kMRU rows instead of kMR.
+#define KVSERVE_INT4_UNPACKED 1
+constexpr int kMRU = 4;
+constexpr int kUnpacked = 4 * 32;
+inline void store_w(const W& w, uint8_t* p) {
+  for (int i = 0; i < 2; ++i) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(p + 64 * i), w.lo[i]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(p + 64 * i + 32), w.hi[i]);
+  }
+}
+inline W load_unpacked(const uint8_t* p) {
+  W w;
+  for (int i = 0; i < 2; ++i) {
+    w.lo[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 64 * i));
+    w.hi[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 64 * i + 32));
+  }
+  return w;
 }
 #else
 constexpr int kMR = 4;
@@ -167,10 +192,23 @@ struct Rows {
   int64_t kb;  // blocks per row
 };
 
+// Where a tile reads a step's codes: the packed records (every level), or on AVX2 a panel unpacked beforehand.
+struct PackedCodes {
+  const uint8_t* wp;
+  int64_t kb;
+  W operator()(int64_t p, int64_t b, int j) const { return load_w(wp + (p * kb + b) * kRecord + j * kStepBytes); }
+};
+#if defined(KVSERVE_INT4_UNPACKED)
+struct UnpackedCodes {
+  const uint8_t* buf;  // one panel: kUnpacked bytes per (block, step), in that order
+  W operator()(int64_t /*p*/, int64_t b, int j) const { return load_unpacked(buf + (4 * b + j) * kUnpacked); }
+};
+#endif
+
 // R rows x G panels, all blocks: facc[r][g] accumulates the panel's 16 outputs for row r across blocks.
-template <int R, int G, typename TO>
+template <int R, int G, typename TO, typename Codes = PackedCodes>
 inline void tile(const Rows& x, int64_t r0, const uint8_t* wp, int64_t p0, const float* bias, TO* y, int64_t ldy,
-                 int64_t n) {
+                 int64_t n, const Codes& codes) {
   vf facc[R][G][kFV];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
@@ -189,7 +227,7 @@ inline void tile(const Rows& x, int64_t r0, const uint8_t* wp, int64_t p0, const
     for (int j = 0; j < 4; ++j) {
 #pragma GCC unroll 16
       for (int g = 0; g < G; ++g) {
-        const W w = load_w(wp + ((p0 + g) * kb + b) * kRecord + j * kStepBytes);
+        const W w = codes(p0 + g, b, j);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) iacc[r][g] = step(iacc[r][g], w, x.q + (r0 + r) * kb * kQB + b * kQB + 8 * j);
       }
@@ -232,12 +270,12 @@ inline void tile(const Rows& x, int64_t r0, const uint8_t* wp, int64_t p0, const
     }
 }
 
-template <int R, typename TO, int MR = R>
+template <int R, typename TO, typename Codes, int MR = R>
 inline void tail_rows(int rows, const Rows& x, int64_t r0, const uint8_t* wp, int64_t p, const float* bias, TO* y,
-                      int64_t ldy, int64_t n) {
+                      int64_t ldy, int64_t n, const Codes& codes) {
   if constexpr (MR > 0) {
-    if (rows == MR) return tile<MR, 1, TO>(x, r0, wp, p, bias, y, ldy, n);
-    tail_rows<R, TO, MR - 1>(rows, x, r0, wp, p, bias, y, ldy, n);
+    if (rows == MR) return tile<MR, 1, TO>(x, r0, wp, p, bias, y, ldy, n, codes);
+    tail_rows<R, TO, Codes, MR - 1>(rows, x, r0, wp, p, bias, y, ldy, n, codes);
   }
 }
 
@@ -248,18 +286,42 @@ void gemm_int4(const Rows& x, const uint8_t* wp, const float* bias, TO* y, int64
     constexpr int kGP = 4;
     for_each_panel_group<kGP>(num_panels, N, kNP, [&](int64_t p, bool whole, int) {
       if (whole)
-        tile<1, kGP, TO>(x, 0, wp, p, bias, y, N, N);
+        tile<1, kGP, TO>(x, 0, wp, p, bias, y, N, N, PackedCodes{wp, x.kb});
       else
-        tile<1, 1, TO>(x, 0, wp, p, bias, y, N, N);
+        tile<1, 1, TO>(x, 0, wp, p, bias, y, N, N, PackedCodes{wp, x.kb});
     });
     return;
   }
+#if defined(KVSERVE_INT4_UNPACKED)
+  const int64_t mc = row_block_rows(M, x.kb * kQB, kMRU);
+  const PackedCodes packed{wp, x.kb};
+  for_each_gemm_block(M, N, kNP, 1, 1, mc, [&](int64_t m0, int64_t mcur, int64_t p, int, int64_t, int64_t) {
+    if (mcur < 4 * kMRU) {  // too few rows to repay the unpacking (the same arithmetic either way)
+      int64_t i = 0;
+      for (; i + kMR <= mcur; i += kMR) tile<kMR, 1, TO>(x, m0 + i, wp, p, bias, y, N, N, packed);
+      if (i < mcur) tail_rows<kMR - 1, TO>(static_cast<int>(mcur - i), x, m0 + i, wp, p, bias, y, N, N, packed);
+      return;
+    }
+    // This thread's panel p, unpacked for the row block's tiles (a panel of K = 1536 takes 24 KiB).
+    thread_local std::vector<uint8_t> buf;
+    buf.resize(x.kb * 4 * kUnpacked + 32);
+    uint8_t* u = buf.data() + (-reinterpret_cast<uintptr_t>(buf.data()) & 31);  // 32-byte aligned
+    for (int64_t b = 0; b < x.kb; ++b)
+      for (int j = 0; j < 4; ++j) store_w(packed(p, b, j), u + (4 * b + j) * kUnpacked);
+    const UnpackedCodes codes{u};
+    int64_t i = 0;
+    for (; i + kMRU <= mcur; i += kMRU) tile<kMRU, 1, TO>(x, m0 + i, wp, p, bias, y, N, N, codes);
+    if (i < mcur) tail_rows<kMRU - 1, TO>(static_cast<int>(mcur - i), x, m0 + i, wp, p, bias, y, N, N, codes);
+  });
+#else
   const int64_t mc = row_block_rows(M, x.kb * kQB, kMR);
+  const PackedCodes codes{wp, x.kb};
   for_each_gemm_block(M, N, kNP, 1, 1, mc, [&](int64_t m0, int64_t mcur, int64_t p, int, int64_t, int64_t) {
     int64_t i = 0;
-    for (; i + kMR <= mcur; i += kMR) tile<kMR, 1, TO>(x, m0 + i, wp, p, bias, y, N, N);
-    if (i < mcur) tail_rows<kMR - 1, TO>(static_cast<int>(mcur - i), x, m0 + i, wp, p, bias, y, N, N);
+    for (; i + kMR <= mcur; i += kMR) tile<kMR, 1, TO>(x, m0 + i, wp, p, bias, y, N, N, codes);
+    if (i < mcur) tail_rows<kMR - 1, TO>(static_cast<int>(mcur - i), x, m0 + i, wp, p, bias, y, N, N, codes);
   });
+#endif
 }
 
 // Row r of x [M, K] -> q (K int8), dx and mx per block of 32: q = round(x * (127 / amax)) to nearest even, dx =
