@@ -46,6 +46,9 @@ class ModelRunnerOutput:
     kv_connector_output: Any = None
     # Speculative decoding: the step's measured costs (None when speculation is off).
     spec_timing: SpecStepTiming | None = None
+    # Where the drafts are an EAGLE-2 tree's nodes (topological order): per request, each node's parent (-1: the
+    # root), None for a chain; the whole field None when no request has a tree. The grammar's bitmask needs them.
+    spec_parents: list[list[int] | None] | None = None
 
 
 @dataclass

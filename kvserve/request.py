@@ -85,6 +85,8 @@ class Request:
         # Speculative decoding: drafts the runner proposed for the next step (not part of all_token_ids), and
         # the speculation policy's state (kvserve.core.spec_policy.SpecRequestState), set by the scheduler.
         self.spec_token_ids: list[int] = []
+        # An EAGLE-2 draft tree's parents (spec_decode/tree.py) when the drafts above are a tree's nodes; None: a chain.
+        self.spec_parents: list[int] | None = None
         self.spec_state: Any = None
         # Async scheduling: tokens being sampled by steps in flight, not yet in all_token_ids.
         self.num_output_placeholders = 0

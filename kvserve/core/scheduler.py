@@ -387,7 +387,9 @@ class Scheduler:
         for request in self.running:
             if request.spec_token_ids and request.num_tokens - request.num_computed_tokens == 1:
                 n = policy.num_to_verify(request.spec_state, len(request.spec_token_ids))
-                if n and request.grammar is not None:  # only drafts its grammar allows: the others would be rejected
+                if n and request.grammar is not None and request.spec_parents is None:
+                    # Only drafts its grammar allows: the others would be rejected. (A tree keeps its nodes: the
+                    # bitmask of a refused node's parent excludes it, so it is never accepted.)
                     n = request.grammar.num_valid(request.spec_token_ids[:n])
                 plan[request.request_id] = n
         return plan
@@ -468,6 +470,7 @@ class Scheduler:
                 output.kv_transfer_params = self._free_request(request)
             elif runner_output.spec_token_ids is not None and self.spec_config is not None:
                 request.spec_token_ids = runner_output.spec_token_ids[idx][: self._max_drafts(request)]
+                request.spec_parents = runner_output.spec_parents[idx] if runner_output.spec_parents else None
             outputs.append(output)
         return outputs
 
@@ -524,7 +527,10 @@ class Scheduler:
             return [], None
         grammars = [r.grammar for r in sampling]
         drafts = [scheduled_spec.get(r.request_id, []) for r in sampling]
-        return [r.request_id for r in sampling], self.structured_output.fill_bitmask(grammars, drafts)
+        parents = [
+            None if r.spec_parents is None else r.spec_parents[: len(d)] for r, d in zip(sampling, drafts, strict=True)
+        ]
+        return [r.request_id for r in sampling], self.structured_output.fill_bitmask(grammars, drafts, parents)
 
     # ---------------------------------------------------------------- helpers
 

@@ -12,8 +12,9 @@ contiguous run of slots past the root (root .. root + closure - 1), within the s
 keys). Those slots are past the request's computed tokens, so later steps overwrite them, as the chain's.
 
 Requests are grown one after another (each expansion is one head forward per request); a request with too few
-slots for the full depth grows a shallower tree; a constrained request (structured outputs) gets none, since its
-grammar's bitmask rows are laid out for a chain.
+slots for the full depth grows a shallower tree. A constrained request (structured outputs) grows its tree as any
+other: the scheduler masks each node's row by its path (structured_output/matcher.py), so a node the grammar
+refuses is never accepted.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def propose_trees(proposer: EagleProposer, step: DraftStepInputs, depth: int, to
         room = int(capacity[i] - next_pos[i])
         # Expansion e feeds at most e * top_k nodes: the deepest, depth - 1, needs that many slots past the root.
         fits = min(depth, 1 + room // top_k)
-        if limits[i] <= 0 or room <= 0 or state.sampling_params.structured_outputs is not None:
+        if limits[i] <= 0 or room <= 0:
             drafts.append([])
             parents.append([])
             continue

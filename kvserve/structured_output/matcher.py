@@ -17,7 +17,11 @@ from concurrent.futures import wait as futures_wait
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+from llguidance.numpy import (
+    fill_next_token_bitmask,
+    fill_next_token_bitmask_par,
+    fill_next_token_bitmask_par_with_draft_tokens,
+)
 
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured_output.grammar import grammar_for, library_errors_as_value_errors
@@ -128,10 +132,18 @@ class StructuredOutputManager:
             pass  # still compiling: the request waits in the queue
         return RequestGrammar(compiled)
 
-    def fill_bitmask(self, grammars: list[RequestGrammar], drafts: list[list[int]]) -> bytes:
+    def fill_bitmask(
+        self,
+        grammars: list[RequestGrammar],
+        drafts: list[list[int]],
+        parents: list[list[int] | None] | None = None,
+    ) -> bytes:
         """The allowed next tokens of each grammar, in order (see the module docstring for the layout), then, for
         each of its drafts (which it must accept: see `num_valid`), those after that draft: 1 + len(drafts[i])
-        rows for grammar i. The parsers end where they started."""
+        rows for grammar i. Where `parents[i]` is given, grammar i's drafts are a draft tree's nodes (each node's
+        parent, -1 for the root; topological order): node j's row holds what may follow its path from the root,
+        and a node the grammar refuses (or below one) keeps an all-allowed row, never used (its parent's row
+        excludes it). The parsers end where they started."""
         num_rows = len(grammars) + sum(len(d) for d in drafts)
         # All allowed where nothing is written: the rows after a draft that completes the output, whose tokens
         # the scheduler drops.
@@ -139,8 +151,12 @@ class StructuredOutputManager:
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         plain, drafted, row = [], [], 0
-        for grammar, tokens in zip(grammars, drafts, strict=True):
-            if tokens:  # llguidance's draft variant takes no empty list
+        for i, (grammar, tokens) in enumerate(zip(grammars, drafts, strict=True)):
+            tree = None if parents is None else parents[i]
+            if tokens and tree is not None:
+                plain.append((grammar.matcher, row))
+                _fill_tree_rows(grammar.matcher, tokens, tree, bitmask, row)
+            elif tokens:  # llguidance's draft variant takes no empty list
                 drafted.append((grammar.matcher, row, tokens))
             else:
                 plain.append((grammar.matcher, row))
@@ -169,6 +185,39 @@ class StructuredOutputManager:
             )
             logger.info("structured outputs: llguidance tokenizer built (%d tokens)", self._mask_vocab)
         return self._ll_tokenizer
+
+
+def _fill_tree_rows(
+    matcher: llguidance.LLMatcher, tokens: list[int], parents: list[int], bitmask: np.ndarray, row: int
+) -> None:
+    """Rows row + 1 + j of `bitmask`: what the grammar allows after the path root -> node j, for each node j the
+    grammar takes. Nodes come in topological order (a level's nodes before the next level's); the parser moves
+    from one node's path to the next's by rolling back to their common ancestor and consuming the rest, and ends
+    where it started."""
+    at: list[int] = []  # the nodes the parser has consumed, root first
+    paths: dict[int, list[int]] = {-1: []}  # node -> its path (itself last), for the nodes the grammar takes
+    for j, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
+        if parent not in paths:  # below a refused node
+            continue
+        target = paths[parent]
+        common = 0
+        while common < min(len(at), len(target)) and at[common] == target[common]:
+            common += 1
+        if len(at) > common:
+            matcher.rollback(len(at) - common)
+            del at[common:]
+        for node in target[common:]:
+            matcher.consume_token(tokens[node])
+            at.append(node)
+        if matcher.validate_tokens([token]) != 1:  # (consuming a refused token would put the parser in error)
+            continue
+        matcher.consume_token(token)
+        at.append(j)
+        paths[j] = list(at)
+        if not matcher.is_stopped():  # complete: what follows is dropped, as after a chain's completing draft
+            fill_next_token_bitmask(matcher, bitmask, row + 1 + j)
+    if at:
+        matcher.rollback(len(at))
 
 
 def _compile(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:

@@ -370,6 +370,9 @@ class ModelRunner:
         self.batch.num_computed_tokens[step.rows] = step.seq_lens
         with self.timer.phase("logits"):
             logits, num_logits = self._logits(step, hidden)
+            if so.grammar_bitmask is not None and logits is not None:
+                # Before a tree's walk, which draws on its rows: every row in the scheduler's layout (1 + drafts).
+                self._apply_grammar(so, step, num_logits, logits)
             if step.trees and logits is not None:
                 # From here on the step is the chain of each tree's accepted path (worker/tree_step.py).
                 targets, keys = draw_tree_targets(
@@ -449,8 +452,6 @@ class ModelRunner:
         rows = step.rows[step.sample_idx]
         if logits is None:
             return LaunchedStep(so, step, hidden, states, num_logits, None, None, None, None, None, None)
-        if so.grammar_bitmask is not None:
-            self._apply_grammar(so, step, num_logits, logits)
         if int(num_logits.max()) == 1:
             metadata = build_sampling_metadata(states, batch, self.vocab_size, self.generator, device=self.device)
             out = self.sampler(logits, metadata)
@@ -519,6 +520,13 @@ class ModelRunner:
         # saves with the target's.
         kv_connector_output = self.kv_io.after_forward(launched.so)
         has_logprobs = any(x is not None for x in logprobs_lists)
+        spec_parents = None
+        if spec_token_ids is not None and self._tree_parents:
+            trees = self._tree_parents
+            spec_parents = [
+                trees[r].tolist() if d and r in trees else None
+                for r, d in zip(step.req_ids, spec_token_ids, strict=True)
+            ]
         return ModelRunnerOutput(
             step.req_ids,
             sampled_lists,
@@ -526,6 +534,7 @@ class ModelRunner:
             spec_token_ids,
             kv_connector_output,
             spec_timing,
+            spec_parents,
         )
 
     def _in_flight_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:

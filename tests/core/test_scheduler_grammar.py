@@ -29,7 +29,7 @@ class FakeGrammar:
 class FakeManager:
     num_words = 1
 
-    def fill_bitmask(self, grammars, drafts) -> bytes:
+    def fill_bitmask(self, grammars, drafts, parents=None) -> bytes:
         return b"\xff\xff\xff\xff" * (len(grammars) + sum(len(d) for d in drafts))
 
 

@@ -15,10 +15,12 @@ from kvserve.spec_decode.eagle_train import (
     target_features,
     train_head,
 )
+from kvserve.structured_output.matcher import StructuredOutputManager
 from kvserve.worker import model_runner
 from kvserve.worker.tree_step import walk_trees
 from tests.conftest import assert_all_blocks_free
 from tests.engine.test_spec_decode import assert_same_greedy, copy_prompts, token_ids
+from tests.engine.test_structured_output import constrained_only
 from tests.kernels.build import require_kernels
 from tests.spec_decode.test_model_proposers import small_pool_llm
 
@@ -192,3 +194,33 @@ def test_bf16_pair_packed_greedy_identical(tiny_model_factory, tmp_path, tree):
     assert_same_greedy(plain_bf16, spec, copy_prompts(4, 13), max_tokens=40)
     stats = spec.stats()["spec_decoding"]
     assert stats["num_accepted_tokens_per_pos"][1] > 0  # paths two deep were accepted (and moved, for a tree)
+
+
+@pytest.mark.slow
+def test_constrained_outputs_unchanged_with_trees(tiny_model_factory, tmp_path, monkeypatch):
+    """Structured outputs with trees: the scheduler masks each node's row by the grammar's state after the node's
+    path (structured_output/matcher.py; its rows are tested exactly in tests/structured_output), so greedy and
+    seeded outputs equal speculation off's; the bitmask saw branching trees, and constrained requests accept tree
+    nodes, two deep among them."""
+    trees_seen = []
+    fill = StructuredOutputManager.fill_bitmask
+
+    def spy(self, grammars, drafts, parents=None):
+        trees_seen.extend(p for p in parents or [] if p is not None and len(set(p)) < len(p))
+        return fill(self, grammars, drafts, parents)
+
+    monkeypatch.setattr(StructuredOutputManager, "fill_bitmask", spy)
+    path = tiny_model_factory("llama-loops")
+    head = fit_head(path, str(tmp_path / "head"))
+    prompts, params = constrained_only(2, greedy_only=False)
+    plain = LLM(path, dtype="float32", max_model_len=128)
+    want = [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in plain.generate(prompts, params, use_tqdm=False)
+    ]
+    llm = LLM(path, dtype="float32", max_model_len=128, speculative_config=tree_config(head))
+    got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert trees_seen
+    stats = llm.stats()["spec_decoding"]
+    assert stats["num_accepted_tokens_per_pos"][1] > 0, stats
+    assert_all_blocks_free(llm)

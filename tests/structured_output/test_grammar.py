@@ -83,9 +83,9 @@ def manager(smollm2_gguf, smollm2_tokenizer) -> StructuredOutputManager:
     return StructuredOutputManager(smollm2_gguf, len(smollm2_tokenizer))
 
 
-def allowed_tokens(manager: StructuredOutputManager, grammars, drafts=None) -> list[set[int]]:
+def allowed_tokens(manager: StructuredOutputManager, grammars, drafts=None, parents=None) -> list[set[int]]:
     drafts = drafts or [[] for _ in grammars]
-    bitmask = manager.fill_bitmask(grammars, drafts)
+    bitmask = manager.fill_bitmask(grammars, drafts, parents)
     words = np.frombuffer(bitmask, dtype=np.int32).reshape(-1, manager.num_words)
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
     return [set(np.flatnonzero(row).tolist()) for row in bits]
@@ -162,3 +162,46 @@ def test_draft_rows_follow_the_drafts_and_leave_the_parser_where_it_was(manager,
     assert a.num_valid(ids) == len(ids)  # the last one completes the output
     (still,) = allowed_tokens(manager, [a])
     assert still == rows[1]
+
+
+def test_tree_rows_follow_each_nodes_path(manager, smollm2_tokenizer):
+    """Drafts that are a tree's nodes (parents given, level by level): node j's row holds what the grammar allows
+    after the path root -> j, as a parser that took that path sees it; a node the grammar refuses, and any node
+    below it, keeps an all-allowed row (never used: its parent's row excludes it); the grammar does not move."""
+    eos = smollm2_tokenizer.eos_token_id
+    spec = StructuredOutputsParams(json=SCHEMA)
+    a_ids = smollm2_tokenizer('{"name": "Bo", "ok": true}', add_special_tokens=False).input_ids
+    b_ids = smollm2_tokenizer('{"name": "Al", "ok": false}', add_special_tokens=False).input_ids
+    bad = smollm2_tokenizer("x", add_special_tokens=False).input_ids[0]
+    branches = [a_ids[:6], b_ids[:6], a_ids[:2] + [bad, a_ids[2]], a_ids[:1] + [a_ids[2]]]
+    # The trie of the branches, numbered level by level (the proposer's topological order).
+    nodes: dict[tuple[int, ...], int] = {}
+    for depth in range(1, max(map(len, branches)) + 1):
+        for branch in branches:
+            if len(branch) >= depth and tuple(branch[:depth]) not in nodes:
+                nodes[tuple(branch[:depth])] = len(nodes)
+    paths = sorted(nodes, key=nodes.get)
+    tokens = [p[-1] for p in paths]
+    parents = [nodes.get(p[:-1], -1) for p in paths]
+    assert parents.count(-1) == 1 and len(paths) > 8
+
+    a, other = manager.new_grammar(spec, [eos]), manager.new_grammar(StructuredOutputsParams(regex="[0-9]+"), [eos])
+    (root_want,) = allowed_tokens(manager, [a])
+    rows = allowed_tokens(manager, [other, a], [[], tokens], [None, parents])
+    assert len(rows) == 1 + 1 + len(tokens) and rows[1] == root_want
+    everything = set(range(manager.num_words * 32))
+    checked = 0
+    for j, path in enumerate(paths):
+        reference = manager.new_grammar(spec, [eos])
+        if reference.num_valid(list(path)) < len(path):
+            assert rows[2 + j] == everything, j  # refused, or below a refused node
+            continue
+        for token in path:
+            assert reference.accept(token)
+        if not reference.is_terminated:
+            (want,) = allowed_tokens(manager, [reference])
+            assert rows[2 + j] == want, j
+            checked += 1
+    assert checked >= 8
+    (again,) = allowed_tokens(manager, [a])
+    assert again == root_want  # a did not move
