@@ -71,6 +71,11 @@ def apply_tree_layout(step: StepInputs, parents: dict[str, np.ndarray], backend:
     )
 
 
+def _scored_rows(step: StepInputs, num_logits: np.ndarray) -> tuple[np.ndarray, dict[int, int]]:
+    """Each sampling request's first logits row, and step request index -> its sampling index."""
+    return np.cumsum(num_logits) - num_logits, {int(i): j for j, i in enumerate(step.sample_idx.tolist())}
+
+
 def draw_tree_targets(
     step: StepInputs,
     logits: torch.Tensor,  # [sum(num_logits), V] the scored rows (tree requests: the root and every node)
@@ -84,8 +89,7 @@ def draw_tree_targets(
     samples the token after it, at position root + depth + 1) and the rows' noise keys (None when all greedy).
     Call before `walk_trees`, which writes the path into the batch rows this reads."""
     assert step.trees is not None
-    first_row = np.cumsum(num_logits) - num_logits
-    where = {int(i): j for j, i in enumerate(step.sample_idx.tolist())}
+    first_row, where = _scored_rows(step, num_logits)
     rows, states, offsets = [], [], []
     for i, tree in step.trees.items():
         rows.append(first_row[where[i]] + np.arange(len(tree) + 1))
@@ -124,8 +128,7 @@ def walk_trees(
     builds its own metadata from its inputs)."""
     assert step.trees is not None
     qsl = step.query_start_loc
-    first_row = np.cumsum(num_logits) - num_logits
-    where = {int(i): j for j, i in enumerate(step.sample_idx.tolist())}
+    first_row, where = _scored_rows(step, num_logits)
     row_keep = [np.arange(int(first_row[j]), int(first_row[j] + num_logits[j])) for j in range(len(num_logits))]
     new_num_logits = num_logits.copy()
     token_perm = np.arange(len(step.input_ids))
