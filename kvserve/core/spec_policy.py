@@ -196,17 +196,21 @@ class SpecDecodePolicy:
         proposer = [self.proposer_cost.seconds(n) or 0.0 for n in range(self.k + 1)]
         num_tokens = num_decodes
         order = sorted(range(len(acceptance)), key=lambda i: -acceptance[i][0])
+        extra: list[float] = []
+        extra_at = -1  # the step size `extra` was computed for: it changes only where a request gets drafts
         for i in order:
             acc = acceptance[i][: self.depth] + [0.0] * (self.k - self.depth)
             if acc[0] <= 0.0:
                 break  # sorted: nobody after it can gain anything
-            base = self.step_cost.seconds(num_tokens)
-            assert base is not None
-            extra = []
-            for n in range(1, self.k + 1):
-                more = self.step_cost.seconds(num_tokens + n)
-                assert more is not None
-                extra.append(max(0.0, more - base) + proposer[n])
+            if extra_at != num_tokens:
+                base = self.step_cost.seconds(num_tokens)
+                assert base is not None
+                extra = []
+                for n in range(1, self.k + 1):
+                    more = self.step_cost.seconds(num_tokens + n)
+                    assert more is not None
+                    extra.append(max(0.0, more - base) + proposer[n])
+                extra_at = num_tokens
             n = best_num_drafts(acc, share, extra, MARGIN)
             out[i] = n
             num_tokens += n

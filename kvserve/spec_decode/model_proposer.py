@@ -39,13 +39,12 @@ from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
 from kvserve.sample.sampler import Sampler, SamplingMetadata
 from kvserve.spec_decode.base import DraftProposal, DraftStepInputs, Proposer
 from kvserve.spec_decode.draft_vocab import DraftVocab
+from kvserve.spec_decode.skipped import SkippedPositions
 from kvserve.worker.input_batch import InputBatch, RequestState
 from kvserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from kvserve.worker.sampling_inputs import build_sampling_metadata
 
 _KEY_RANGE = 1 << 62
-# Most positions a request left out of the pass catches up on when it is given drafts again (probes stay cheap).
-CATCH_UP_WINDOW = 64
 
 
 class ModelProposer(Proposer):
@@ -82,8 +81,7 @@ class ModelProposer(Proposer):
         self._pending: dict[str, tuple[list[int], torch.Tensor]] = {}
         # Requests left out of the pass: their first position without draft KV, and (reads_target_hidden) the
         # target's hidden rows of the positions since, to catch up on when they are given drafts again.
-        self._behind: dict[str, int] = {}
-        self._skipped_hidden: dict[str, list[torch.Tensor]] = {}
+        self._skipped = SkippedPositions(self.reads_target_hidden)
         # A frequency-ranked draft vocabulary (draft_vocab.py), set by the subclass: then `mirror` and `decode`
         # return logits over its columns, and the drafted columns map back to full ids here.
         self.draft_vocab: DraftVocab | None = None
@@ -143,8 +141,9 @@ class ModelProposer(Proposer):
             self._remember_skipped(step)
         sub, kept = self._awake_step(step)
         if sub is None:
-            for i in step.sample_idx.tolist():
-                self._pending.pop(step.states[i].req_id, None)
+            if self._pending:
+                for i in step.sample_idx.tolist():
+                    self._pending.pop(step.states[i].req_id, None)
             return DraftProposal([[] for _ in range(num_sampled)], [None] * num_sampled)
         proposal = self._propose(sub)
         if kept is None:
@@ -239,36 +238,28 @@ class ModelProposer(Proposer):
     # ------------------------------------------------------------------ requests left out, and catching up
 
     def _remember_skipped(self, step: DraftStepInputs) -> None:
-        """For each request the pass skips this step: where its unmirrored positions begin, and (for a proposer
-        that reads the target's hidden states) the hidden rows of the positions it computed, up to its last
-        accepted one (positions past it are computed again later)."""
+        """Record the requests the pass skips this step (skipped.py): one vectorized update for all of them."""
         assert step.awake is not None
-        batch, qsl = step.batch, step.query_start_loc
-        for i in np.flatnonzero(~step.awake).tolist():
-            req_id = step.states[i].req_id
-            start = int(step.positions[qsl[i]])
-            end = int(batch.num_computed_tokens[step.rows[i]])
-            if end <= start:
-                continue
-            first = self._behind.setdefault(req_id, start)
-            if self.reads_target_hidden:
-                rows = self._skipped_hidden.setdefault(req_id, [])
-                rows.append(step.hidden[int(qsl[i]) : int(qsl[i]) + end - start].clone())
-                held = sum(len(r) for r in rows)
-                while held - len(rows[0]) >= CATCH_UP_WINDOW:  # only the last window is ever caught up on
-                    held -= len(rows[0])
-                    first += len(rows.pop(0))
-                self._behind[req_id] = first
+        asleep = np.flatnonzero(~step.awake)
+        qsl = step.query_start_loc
+        rows = step.rows[asleep]
+        self._skipped.remember(
+            [step.states[i].req_id for i in asleep.tolist()],
+            rows,
+            qsl[asleep],
+            step.positions[qsl[asleep]].astype(np.int64),
+            step.batch.num_computed_tokens[rows].astype(np.int64),
+            step.hidden,
+        )
 
     def _awake_step(self, step: DraftStepInputs) -> tuple[DraftStepInputs | None, np.ndarray | None]:
         """The step restricted to the requests given drafts, each starting at its first position not mirrored
         (at most CATCH_UP_WINDOW back: older ones keep stale draft KV, which costs acceptance, not
         correctness), and which of `step.sample_idx` it keeps (None: all, and `step` itself is returned)."""
         awake = step.awake
-        reqs = [s.req_id for s in step.states]
-        if (awake is None or awake.all()) and not any(r in self._behind for r in reqs):
+        if (awake is None or awake.all()) and not self._skipped.any_behind(step.rows):
             return step, None
-        sel = np.arange(len(reqs)) if awake is None else np.flatnonzero(awake)
+        sel = np.arange(len(step.states)) if awake is None else np.flatnonzero(awake)
         if not len(sel):
             return None, None
         qsl = step.query_start_loc
@@ -277,17 +268,12 @@ class ModelProposer(Proposer):
         firsts = starts.copy()
         caught_hidden: dict[int, torch.Tensor] = {}  # step request index -> hidden rows of its caught-up positions
         for j, i in enumerate(sel.tolist()):
-            first = self._behind.pop(reqs[i], None)
-            skipped = self._skipped_hidden.pop(reqs[i], None)
-            if first is None:
+            record = self._skipped.take(step.states[i].req_id, int(step.rows[i]), int(starts[j]))
+            if record is None:
                 continue
-            first = max(first, int(starts[j]) - CATCH_UP_WINDOW)
-            firsts[j] = first
-            if self.reads_target_hidden:
-                assert skipped is not None
-                rows_h = torch.cat(skipped)
-                assert len(rows_h) >= int(starts[j]) - first, "skipped positions are contiguous"
-                caught_hidden[i] = rows_h[len(rows_h) - (int(starts[j]) - first) :]
+            firsts[j], rows_h = record
+            if rows_h is not None:
+                caught_hidden[i] = rows_h
         # Requests with one query token ("decodes") come first in attention inputs.
         lens = ends - firsts
         order = np.argsort(lens > 1, kind="stable")
@@ -366,8 +352,7 @@ class ModelProposer(Proposer):
 
     def forget(self, req_id: str) -> None:
         self._pending.pop(req_id, None)
-        self._behind.pop(req_id, None)
-        self._skipped_hidden.pop(req_id, None)
+        self._skipped.forget(req_id)
 
     # ------------------------------------------------------------------ helpers
 

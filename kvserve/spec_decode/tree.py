@@ -67,6 +67,10 @@ def grow_eagle2_tree(
     node, so the kept set holds every kept node's ancestors."""
     if depth < 1 or top_k < 1 or total_nodes < 1:
         raise ValueError(f"draft tree: depth, top_k and total_nodes must be >= 1 (got {depth}, {top_k}, {total_nodes})")
+    # A kept node's ancestors are kept too, so no kept node is deeper than total_nodes: levels past it would
+    # cost expansions (a head forward each) for candidates the reranking must drop. The shallower levels' frontiers
+    # depend on earlier levels only, so the tree is the same.
+    depth = min(depth, total_nodes)
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []

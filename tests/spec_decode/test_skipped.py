@@ -1,0 +1,68 @@
+"""The record of positions a model proposer skips (spec_decode/skipped.py): what a request caught up on after a
+spell asleep is exactly the target's hidden rows of the positions it missed, the last window of them at most."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvserve.spec_decode.skipped import SkippedPositions
+
+
+def hidden_of(positions: np.ndarray, row: int) -> torch.Tensor:
+    """A hidden row that names its request row and position."""
+    out = torch.zeros(len(positions), 4)
+    out[:, 0] = torch.from_numpy(positions).float()
+    out[:, 1] = row
+    return out
+
+
+def sleep_steps(record: SkippedPositions, reqs: dict[str, int], spans: list[dict[str, tuple[int, int, int]]]):
+    """Each step: req -> (start, number of tokens in the step, computed count after it)."""
+    for step in spans:
+        names = list(step)
+        rows = np.array([reqs[n] for n in names])
+        lens = np.array([step[n][1] for n in names])
+        token_start = np.cumsum(lens) - lens
+        starts = np.array([step[n][0] for n in names])
+        ends = np.array([step[n][2] for n in names])
+        hidden = torch.cat([hidden_of(np.arange(s, s + n), r) for s, n, r in zip(starts, lens, rows, strict=True)])
+        record.remember(names, rows, token_start, starts, ends, hidden)
+
+
+def test_caught_up_rows_are_the_missed_positions():
+    record = SkippedPositions(keep_hidden=True, window=8)
+    reqs = {"a": 0, "b": 3}
+    # a: a 5-token chunk, then decodes with a rejected draft (3 tokens in the step, 2 kept); b: one decode each.
+    sleep_steps(
+        record,
+        reqs,
+        [{"a": (0, 5, 5), "b": (20, 1, 21)}, {"a": (5, 3, 6), "b": (21, 1, 22)}, {"a": (6, 1, 7), "b": (22, 1, 23)}],
+    )
+    first, rows = record.take("a", 0, 7)
+    assert first == 0 and rows[:, 0].tolist() == list(range(7)) and (rows[:, 1] == 0).all()
+    assert record.take("a", 0, 7) is None  # the record went with the catch-up
+    first, rows = record.take("b", 3, 23)
+    assert first == 20 and rows[:, 0].tolist() == [20, 21, 22] and (rows[:, 1] == 3).all()
+
+
+def test_only_the_last_window_is_kept_and_rows_are_reused_cleanly():
+    record = SkippedPositions(keep_hidden=True, window=8)
+    reqs = {"a": 1}
+    sleep_steps(record, reqs, [{"a": (0, 20, 20)}] + [{"a": (p, 1, p + 1)} for p in range(20, 30)])
+    first, rows = record.take("a", 1, 30)
+    assert first == 22 and rows[:, 0].tolist() == list(range(22, 30))
+    # A request that leaves clears its row for the next one there.
+    sleep_steps(record, reqs, [{"a": (30, 1, 31)}])
+    record.forget("a")
+    assert not record.any_behind(np.array([1]))
+    sleep_steps(record, {"c": 1}, [{"c": (4, 2, 6)}])
+    first, rows = record.take("c", 1, 6)
+    assert first == 4 and rows[:, 0].tolist() == [4, 5]
+
+
+def test_without_hidden_rows_only_positions_are_kept():
+    record = SkippedPositions(keep_hidden=False, window=8)
+    sleep_steps(record, {"a": 0}, [{"a": (10, 1, 11)}, {"a": (11, 1, 12)}])
+    assert record.take("a", 0, 12) == (10, None)
+    assert not record.any_behind(np.array([0, 5, 100]))
