@@ -148,11 +148,14 @@ def train_head(
     draft_vocabs: dict[int, torch.Tensor] | None = None,
     held_out_reply_starts: list[int] | None = None,
     unroll: bool = False,
+    train_steps: int | None = None,
 ) -> tuple[EagleReference, TrainResult]:
-    """Fit a head for about `train_seconds` of wall time on all the sequences, scored on `held_out` (sequences,
-    features); without it, on all but a held-out tenth of the sequences, scored on that tenth. `draft_vocabs`:
-    N -> the ids of a draft vocabulary of N tokens, also scored. `held_out_reply_starts` (with `held_out`): each
-    held-out sequence's prompt length; then the reply's tokens are also scored alone (`reply_top1_accuracy`).
+    """Fit a head for about `train_seconds` of wall time (or exactly `train_steps` sequence updates, where given:
+    the same head on any machine and under any load, as tests need) on all the sequences, scored on `held_out`
+    (sequences, features); without it, on all but a held-out tenth of the sequences, scored on that tenth.
+    `draft_vocabs`: N -> the ids of a draft vocabulary of N tokens, also scored. `held_out_reply_starts` (with
+    `held_out`): each held-out sequence's prompt length; then the reply's tokens are also scored alone
+    (`reply_top1_accuracy`).
     `unroll`: also train a second step fed the head's own predicted features (see `_loss`)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -182,23 +185,32 @@ def train_head(
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     start = time.perf_counter()
     epochs = 0
+    steps = 0
     loss_value = float("nan")
-    while time.perf_counter() - start < train_seconds:
+
+    def progress() -> float:
+        if train_steps is not None:
+            return steps / train_steps
+        return (time.perf_counter() - start) / train_seconds
+
+    while progress() < 1.0:
         rng.shuffle(train)
         for n, i in enumerate(train):
-            elapsed = time.perf_counter() - start
-            if elapsed >= train_seconds:
+            done = progress()
+            if done >= 1.0:
                 break
             # Cosine decay over the budget.
             for g in opt.param_groups:
-                g["lr"] = lr * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * elapsed / train_seconds)).item())
+                g["lr"] = lr * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * done)).item())
             loss = _loss(head, embed, lm_head, sequences[i], features[i], noise * scale, scale, ce_weight, unroll)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
             loss_value = loss.item()
+            steps += 1
             if n % 20 == 0:
+                elapsed = time.perf_counter() - start
                 logger.info("epoch %d seq %d/%d loss %.4f (%.0fs)", epochs, n, len(train), loss_value, elapsed)
         epochs += 1
     seconds = time.perf_counter() - start
