@@ -93,6 +93,23 @@ def test_bf16_linear_form_follows_the_cpu():
 
 
 pairs = pytest.mark.skipif(not K.linear_bf16_pairs_supported(), reason="bf16 pair panels need AVX512-BF16")
+AMX_HERE = K.linear_bf16_amx_active()
+
+
+@pytest.fixture(params=["vdpbf16ps", "amx"])
+def pair_path(request):
+    """Run the pair-panel kernels on both of their paths: AVX512-BF16 vectors, and AMX tiles where the CPU has
+    them (there, every row count takes the tiles unless they are turned off)."""
+    if request.param == "amx" and not AMX_HERE:
+        pytest.skip("no AMX-BF16 on this CPU (or Linux refused the tile registers)")
+    was = K.linear_bf16_amx_set_enabled(request.param == "amx")
+    yield request.param
+    K.linear_bf16_amx_set_enabled(was)
+
+
+@pairs
+def test_amx_tiles_are_used_where_the_cpu_has_them():
+    assert AMX_HERE == ("amx_bf16" in cpu_info().features and "amx_tile" in cpu_info().features)
 
 
 @pairs
@@ -108,9 +125,9 @@ def test_pair_panel_layout():
 
 
 @pairs
-@pytest.mark.parametrize("m", [1, 2, 12, 13, 64, 100])
-@pytest.mark.parametrize("n,k", [(960, 576), (37, 20), (16, 1536), (5, 2)])
-def test_linear_bf16_pairs_matches_torch(m, n, k):
+@pytest.mark.parametrize("m", [1, 2, 12, 13, 16, 17, 64, 100])
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 20), (16, 1536), (5, 2), (40, 70)])
+def test_linear_bf16_pairs_matches_torch(m, n, k, pair_path):
     torch.manual_seed(0)
     x = torch.randn(m, k).bfloat16()
     w = torch.randn(n, k).bfloat16()
@@ -126,12 +143,12 @@ def test_linear_bf16_pairs_matches_torch(m, n, k):
 
 @pairs
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 700), (200, 1536)])
-def test_linear_bf16_pairs_row_is_batch_invariant(n, k):
+def test_linear_bf16_pairs_row_is_batch_invariant(n, k, pair_path):
     torch.manual_seed(0)
     x = torch.randn(64, k).bfloat16()
     wp = K.pack_linear_weight_bf16_pairs(torch.randn(n, k).bfloat16())
     alone = torch.cat([K.linear_bf16_pairs(x[i : i + 1], wp, n, None) for i in range(len(x))])
-    for m in (2, 5, 13, 64):
+    for m in (2, 5, 13, 16, 17, 64):
         assert torch.equal(K.linear_bf16_pairs(x[:m], wp, n, None), alone[:m])
 
 
