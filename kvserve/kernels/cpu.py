@@ -65,7 +65,7 @@ def load_cpu_kernels() -> ModuleType | None:
         name = library_name(isa)
         if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
             logger.warning("building the C++ CPU kernels for %s (first run on this machine only, ~1 min)", isa)
-        return load(
+        kernels = load(
             name=name,
             sources=[str(p) for p in _SOURCES],
             # The level's own ISA flags (never -march=native: see kernel_compile_flags); tuned for this CPU.
@@ -73,6 +73,11 @@ def load_cpu_kernels() -> ModuleType | None:
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
+        # The bf16 pair panels run on AMX tiles where the CPU has them; KVSERVE_CPU_AMX=0 keeps the AVX512-BF16
+        # vectors (A/B runs).
+        if os.environ.get("KVSERVE_CPU_AMX", "1") == "0":
+            kernels.linear_bf16_amx_set_enabled(False)
+        return kernels
     except Exception as e:  # no compiler, no ninja, unsupported platform
         logger.warning("CPU kernels unavailable (%s); using the slower pure-torch paths", e)
         return None

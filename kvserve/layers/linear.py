@@ -44,6 +44,14 @@ def _has_pair_panels(kernels: ModuleType | None) -> bool:
     return kernels is not None and kernels.linear_bf16_pairs_supported()
 
 
+def runs_on_amx(model: nn.Module) -> bool:
+    """Whether the model's bf16 linears run on AMX tiles (kernels/csrc/linear_bf16.cpp), for the start-up line."""
+    for m in model.modules():
+        if isinstance(m, Linear) and m._panel_kind == "bf16_pairs" and m._kernels is not None:
+            return bool(m._kernels.linear_bf16_amx_active())
+    return False
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), W [out_features, in_features]. Parameters are left uninitialised (checkpoints fill them).
 

@@ -44,6 +44,7 @@ from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.distributed.sharding import head_slice
 from kvserve.kv_cache_spec import KVCacheSpec
 from kvserve.layers.batch_invariant import resolve_deterministic
+from kvserve.layers.linear import runs_on_amx
 from kvserve.layers.quant.apply import model_weight_bytes
 from kvserve.loader.model_loader import load_model
 from kvserve.outputs import ModelRunnerOutput, SpecStepTiming
@@ -170,6 +171,8 @@ class ModelRunner:
         self.deterministic = resolve_deterministic(config.deterministic, self.model, self.attn_backend, self.block_size)
         self.weight_bytes = model_weight_bytes(self.model)
         weights = f"{config.quantization or config.dtype} weights {self.weight_bytes / 2**20:.0f} MiB"
+        if runs_on_amx(self.model):
+            weights += ", AMX tiles"
         # Its own logger, which the CLI shows even without -v: what the platform chose is worth one line always.
         logging.getLogger("kvserve.startup").info(
             startup_summary(
