@@ -1,7 +1,9 @@
 """Per-shape timing of the two bf16 linear paths of a CPU with AVX512-BF16: oneDNN's prepacked GEMM (kvserve's
 choice before the eighth session) and kvserve's pair panels (kernels/csrc/linear_bf16.cpp, `vdpbf16ps`), for
 SmolLM2-135M's weight shapes at several row counts, and whether each gives a row the same bits alone as inside a
-batch (batch invariance: a request's greedy tokens must not depend on what it is batched with).
+batch (batch invariance: a request's greedy tokens must not depend on what it is batched with). Where the CPU has
+AMX-BF16, the pairs are also timed on AMX tiles (`pairs-AMX`, kvserve's path there; `pairs` is then the
+AVX512-BF16 path that KVSERVE_CPU_AMX=0 keeps).
 
 Each shape gets 30 distinct weight copies used in turn (as 30 layers would be), so the weights come from memory
 rather than cache; the LM head gets one. Reports the best of 5 timings of 10 calls each (ms) and per-step totals
@@ -31,11 +33,21 @@ def batch_invariant(fn, x: torch.Tensor) -> bool:
 
 
 def paths(kernels, n: int, packed: list, pairs: list) -> dict:
-    """Each path as fn(x, copy index)."""
-    return {
-        "oneDNN": lambda x, i: onednn(x, packed[i % len(packed)]),
-        "pairs": lambda x, i: kernels.linear_bf16_pairs(x, pairs[i % len(pairs)], n),
-    }
+    """Each path as fn(x, copy index): oneDNN, the pairs on AVX512-BF16 vectors, and (where the CPU has AMX-BF16)
+    the same pairs on AMX tiles."""
+
+    def on(amx: bool):
+        def run(x, i):
+            kernels.linear_bf16_amx_set_enabled(amx)
+            return kernels.linear_bf16_pairs(x, pairs[i % len(pairs)], n)
+
+        return run
+
+    fns = {"oneDNN": lambda x, i: onednn(x, packed[i % len(packed)]), "pairs": on(False)}
+    kernels.linear_bf16_amx_set_enabled(True)
+    if kernels.linear_bf16_amx_active():
+        fns["pairs-AMX"] = on(True)
+    return fns
 
 
 def time_paths(fns: dict, x: torch.Tensor) -> dict[str, float]:
