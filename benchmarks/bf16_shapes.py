@@ -38,13 +38,13 @@ def paths(kernels, n: int, packed: list, pairs: list) -> dict:
 
     def on(amx: bool):
         def run(x, i):
-            kernels.linear_bf16_amx_set_enabled(amx)
+            kernels.linear_amx_set_enabled(amx)
             return kernels.linear_bf16_pairs(x, pairs[i % len(pairs)], n)
 
         return run
 
     fns = {"oneDNN": lambda x, i: onednn(x, packed[i % len(packed)]), "pairs": on(False)}
-    kernels.linear_bf16_amx_set_enabled(True)
+    kernels.linear_amx_set_enabled(True)
     if kernels.linear_bf16_amx_active():
         fns["pairs-AMX"] = on(True)
     return fns

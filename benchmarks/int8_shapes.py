@@ -2,7 +2,8 @@
 rotation, int8 GEMV/GEMM, rescale) against the other ways to run the layer on this CPU: fbgemm's dynamic int8
 linear (torch.ops.quantized.linear_dynamic, per-tensor activation range: a lower bound of what a per-token fbgemm
 route costs), oneDNN's prepacked bf16 GEMM (where bf16 is native) and kvserve's fp32 panel kernel. SmolLM2-135M's
-weight shapes, at several row counts.
+weight shapes, at several row counts. On a CPU with AMX-INT8 kvserve's batched rows run on AMX tiles;
+`int8 kvserve vectors` is then the AVX512-VNNI path that KVSERVE_CPU_AMX=0 keeps.
 
 Each shape gets 30 distinct weight copies used in turn (as 30 layers would be), so the weights come from memory
 rather than cache; the LM head gets one. Reports the best of 5 timings of 10 calls each (ms), and per-step totals
@@ -39,11 +40,20 @@ def time_paths(kernels, x: torch.Tensor, n: int, int8: list, fbgemm: list, panel
     def pick(held: list):
         return held[next(turn) % len(held)]
 
+    def vectors():
+        kernels.linear_amx_set_enabled(False)
+        try:
+            return pick(int8)(x)
+        finally:
+            kernels.linear_amx_set_enabled(True)
+
     paths = {
         "int8 kvserve": lambda: pick(int8)(x),
         "int8 fbgemm": lambda: torch.ops.quantized.linear_dynamic(x, pick(fbgemm), True),
         "fp32 panels": lambda: kernels.linear_packed(x, pick(panels), n),
     }
+    if kernels.int8_linear_amx_active():  # then "int8 kvserve" is on AMX tiles: the vectors beside it
+        paths["int8 kvserve vectors"] = vectors
     if bf16:
         paths["bf16 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(xb, pick(bf16), None, "none", [], "")
     return {name: best_ms(fn) for name, fn in paths.items()}

@@ -73,10 +73,10 @@ def load_cpu_kernels() -> ModuleType | None:
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-        # The bf16 pair panels run on AMX tiles where the CPU has them; KVSERVE_CPU_AMX=0 keeps the AVX512-BF16
-        # vectors (A/B runs).
+        # The bf16 and int8 panels run on AMX tiles where the CPU has them; KVSERVE_CPU_AMX=0 keeps the vector
+        # kernels (A/B runs).
         if os.environ.get("KVSERVE_CPU_AMX", "1") == "0":
-            kernels.linear_bf16_amx_set_enabled(False)
+            kernels.linear_amx_set_enabled(False)
         return kernels
     except Exception as e:  # no compiler, no ninja, unsupported platform
         logger.warning("CPU kernels unavailable (%s); using the slower pure-torch paths", e)

@@ -45,10 +45,15 @@ def _has_pair_panels(kernels: ModuleType | None) -> bool:
 
 
 def runs_on_amx(model: nn.Module) -> bool:
-    """Whether the model's bf16 linears run on AMX tiles (kernels/csrc/linear_bf16.cpp), for the start-up line."""
+    """Whether the model's linears run on AMX tiles (bf16 pair panels, kernels/csrc/linear_bf16.cpp; int8 panels,
+    int8_linear.cpp, batched rows), for the start-up line."""
+    from kvserve.layers.quant.int8_linear import Int8Linear
+
     for m in model.modules():
         if isinstance(m, Linear) and m._panel_kind == "bf16_pairs" and m._kernels is not None:
             return bool(m._kernels.linear_bf16_amx_active())
+        if isinstance(m, Int8Linear) and m.kernels is not None:
+            return bool(m.kernels.int8_linear_amx_active())
     return False
 
 

@@ -102,9 +102,9 @@ def pair_path(request):
     them (there, every row count takes the tiles unless they are turned off)."""
     if request.param == "amx" and not AMX_HERE:
         pytest.skip("no AMX-BF16 on this CPU (or Linux refused the tile registers)")
-    was = K.linear_bf16_amx_set_enabled(request.param == "amx")
+    was = K.linear_amx_set_enabled(request.param == "amx")
     yield request.param
-    K.linear_bf16_amx_set_enabled(was)
+    K.linear_amx_set_enabled(was)
 
 
 @pairs

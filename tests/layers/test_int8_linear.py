@@ -249,3 +249,25 @@ def test_big_inputs_equal_row_by_row():
     x = torch.randn(150, 64)
     y = layer(x)
     assert torch.equal(y[64:128], layer(x[64:128])) and torch.equal(y[140:], layer(x[140:]))
+
+
+@pytest.mark.parametrize("k,n", [(7, 3), (40, 24), (576, 200), (1540, 33)])
+def test_amx_tiles_give_the_vectors_bits(k, n):
+    """Where the CPU has AMX-INT8, batched rows run on tiles (tdpbusd) with the vectors' epilogue: integer sums are
+    exact, so every row equals the vector GEMM's and the batch-1 GEMV's bit for bit (full tile steps and tails in
+    k, groups of 16 rows and fewer)."""
+    kernels = _kernels()
+    if not kernels.int8_linear_amx_active():
+        pytest.skip("no AMX-INT8 on this CPU (or Linux refused the tile registers)")
+    g = torch.Generator().manual_seed(k + n)
+    layer = Int8Linear(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g))
+    x = torch.randn(100, k, generator=g)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    for rows in (2, 5, 16, 17, 40, 100):
+        tiles = layer(x[:rows])
+        was = kernels.linear_amx_set_enabled(False)
+        try:
+            vectors = layer(x[:rows])
+        finally:
+            kernels.linear_amx_set_enabled(was)
+        assert torch.equal(tiles, vectors) and torch.equal(tiles, alone[:rows]), rows

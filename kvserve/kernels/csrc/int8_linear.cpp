@@ -22,6 +22,10 @@
 // - AVX-512BW / AVX2 (vpmaddubsw + vpmaddwd): |q| times codes with q's sign, pairwise sums of two products of at
 //   most 127 * 127, which never saturate int16 (codes are kept in [-127, 127] for this);
 // - generic: plain integer loops.
+// Where the CPU has AMX-INT8 (with AVX512-VNNI), the same panels are AMX B tiles (a 64-byte tile row = 16 channels
+// x one quad), and `tdpbusd` takes the same unsigned x signed bytes as `vpdpbusd`: batched rows run on the tile
+// unit. Integer sums are exact in any order, so the tiles give the same bits as the vectors; batch 1 keeps the
+// GEMV (it streams the panels at the rate of a plain read).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,6 +35,7 @@
 #include <cstring>
 #include <utility>
 
+#include "amx.h"
 #include "panel_loops.h"
 #include "simd.h"
 
@@ -198,6 +203,58 @@ inline void gemv_panels(std::index_sequence<P...>, const int8_t* xq, float row_s
   (finish_panel(acc[P], P), ...);
 }
 
+#if defined(__AVX512VNNI__)
+// Rows m0.. (mcur of them) x one whole panel (all k4 quads), on the tile unit: tiles as amx.h describes, int32 sums
+// finished by the vectors' epilogue. A last group of fewer than 16 rows is configured with fewer rows.
+template <typename TO>
+__attribute__((target("amx-tile,amx-int8"))) void amx_block(const int8_t* xq, int64_t ldx, const float* row_scale,
+                                                             const int8_t* panel, int64_t k4,
+                                                             const PanelEpilogue& e, TO* y, int64_t ldy,
+                                                             int64_t mcur, int ncols) {
+  constexpr int kQuads = amx::kTileK / kQ;  // k quads per tile step
+  const int64_t full = k4 / kQuads;
+  const int tail = static_cast<int>(k4 % kQuads);
+  constexpr int64_t ldw = kNP * kQ;  // bytes per panel quad-row
+  alignas(64) int32_t sums[amx::kTileRows * kNP];
+  int configured = 0;
+  for (int64_t r = 0; r < mcur; r += amx::kTileRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(amx::kTileRows, mcur - r));
+    if (rows != configured) {
+      const amx::TileConfig cfg = amx::tile_config(rows, tail);
+      _tile_loadconfig(&cfg);
+      configured = rows;
+    }
+    const int8_t* xa = xq + r * ldx;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t kb = 0; kb < full; ++kb) {
+      const int8_t* w = panel + kb * kQuads * kNP * kQ;
+      _tile_loadd(2, xa + kb * amx::kTileK, ldx);
+      _tile_loadd(3, w, ldw);
+      _tile_loadd(4, w + kW * kQ, ldw);
+      _tile_dpbusd(0, 2, 3);
+      _tile_dpbusd(1, 2, 4);
+    }
+    if (tail) {
+      const int8_t* w = panel + full * kQuads * kNP * kQ;
+      _tile_loadd(5, xa + full * amx::kTileK, ldx);
+      _tile_loadd(6, w, ldw);
+      _tile_loadd(7, w + kW * kQ, ldw);
+      _tile_dpbusd(0, 5, 6);
+      _tile_dpbusd(1, 5, 7);
+    }
+    _tile_stored(0, sums, kNP * sizeof(int32_t));
+    _tile_stored(1, sums + kW, kNP * sizeof(int32_t));
+    for (int i = 0; i < rows; ++i) {
+      TO* yr = y + (r + i) * ldy;
+      finish_vec(_mm512_load_si512(sums + i * kNP), 0, row_scale[r + i], e, yr, ncols);
+      finish_vec(_mm512_load_si512(sums + i * kNP + kW), 1, row_scale[r + i], e, yr, ncols);
+    }
+  }
+  _tile_release();
+}
+#endif
+
 template <typename TO>
 void gemm_int8(const int8_t* xq, const float* row_scale, const int8_t* wp, const PanelEpilogue& e, TO* y, int64_t M,
                int64_t N, int64_t k4) {
@@ -219,6 +276,16 @@ void gemm_int8(const int8_t* xq, const float* row_scale, const int8_t* wp, const
     });
     return;
   }
+#if defined(__AVX512VNNI__)
+  if (amx::active(amx::kInt8)) {
+    const int64_t mc = row_block_rows(M, ldx, amx::kTileRows);
+    for_each_gemm_block(M, N, kNP, k4, k4, mc, [&](int64_t m0, int64_t mcur, int64_t p, int ncols, int64_t, int64_t) {
+      amx_block<TO>(xq + m0 * ldx, ldx, row_scale + m0, wp + p * k4 * kNP * kQ, k4, epilogue(p), y + m0 * N + p * kNP,
+                    N, mcur, ncols);
+    });
+    return;
+  }
+#endif
   // Input rows in blocks (panel_loops.h); a panel (K x kNP bytes, 18-48 KiB here) stays in L1/L2 across the
   // block's row tiles.
   const int64_t mc = row_block_rows(M, ldx, kMR);
@@ -240,6 +307,15 @@ void gemm_int8(const int8_t* xq, const float* row_scale, const int8_t* wp, const
 }  // namespace
 
 int64_t int8_panel_width() { return kNP; }
+
+// Whether batched int8 rows run on AMX tiles here (AVX512-VNNI build, a CPU with AMX-INT8, the tile paths on).
+bool int8_linear_amx_active() {
+#if defined(__AVX512VNNI__)
+  return amx::active(amx::kInt8);
+#else
+  return false;
+#endif
+}
 
 // codes [N, K] int8 in [-127, 127] -> (panels [ceil(N / kNP), ceil(K / 4), kNP, 4] int8, zero-padded in N and K;
 // colsum [ceil(N / kNP) * kNP] int32: sum_k codes[n, k], zero past N).

@@ -28,13 +28,10 @@
 
 #include "panel_loops.h"
 
-#if defined(__AVX512BF16__)
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
-#include <atomic>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -154,41 +151,7 @@ inline void gemv_panels(const uint16_t* x, const uint16_t* panels, int64_t kp, c
 
 // ------------------------------------------------------------------ AMX-BF16 tiles
 
-constexpr int kTileRows = 16;   // rows of an A or C tile
-constexpr int kTilePairs = 16;  // k pairs per tile step: one 64-byte tile row of bf16 pairs
-
-std::atomic<bool> amx_wanted{true};  // tests and benchmarks turn the tile path off to compare
-
-// The CPU has AMX-TILE and AMX-BF16, and Linux lets this process use the tile registers (a process asks once).
-bool amx_usable() {
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles: 0, 1 the sums of `rows` input rows x the panel's two 16-column halves; 2 those rows' pairs; 3, 4 the
-// weight halves; 5-7 the same three for the last `tail` pairs when K / 2 is not a multiple of 16.
-inline TileConfig tile_config(int rows, int tail) {
-  TileConfig cfg;
-  for (int t = 0; t < 5; ++t) cfg.rows[t] = static_cast<uint8_t>(t < 3 ? rows : kTilePairs), cfg.colsb[t] = 64;
-  if (tail) {
-    cfg.rows[5] = static_cast<uint8_t>(rows), cfg.colsb[5] = static_cast<uint16_t>(tail * 4);
-    cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(tail), cfg.colsb[6] = cfg.colsb[7] = 64;
-  }
-  return cfg;
-}
+constexpr int kTilePairs = amx::kTileK / 4;  // k pairs per tile step
 
 // Rows m0.. (mcur of them) x one whole panel (all kp pairs; columns col0.., ncols of them), on the tile unit. A
 // tile of fewer than 16 rows (batch 1, a batch's last rows) is configured with fewer rows, not padded.
@@ -199,12 +162,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const uint16_t* x, i
   const int tail = static_cast<int>(kp % kTilePairs);
   constexpr int64_t ldw = kNP * 2 * sizeof(uint16_t);  // bytes per panel pair-row
   const int64_t ldx = K * static_cast<int64_t>(sizeof(uint16_t));
-  alignas(64) float sums[kTileRows * kNP];
+  alignas(64) float sums[amx::kTileRows * kNP];
   int configured = 0;
-  for (int64_t r = 0; r < mcur; r += kTileRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kTileRows, mcur - r));
+  for (int64_t r = 0; r < mcur; r += amx::kTileRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(amx::kTileRows, mcur - r));
     if (rows != configured) {
-      const TileConfig cfg = tile_config(rows, tail);
+      const amx::TileConfig cfg = amx::tile_config(rows, tail);
       _tile_loadconfig(&cfg);
       configured = rows;
     }
@@ -240,9 +203,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const uint16_t* x, i
 void gemm_pairs(const uint16_t* x, const uint16_t* wp, const Out& o, int64_t M, int64_t N, int64_t K) {
   const int64_t num_panels = cdiv(N, kNP);
   const int64_t kp_total = K / 2;
-  if (amx_wanted.load(std::memory_order_relaxed) && amx_usable()) {
+  if (amx::active(amx::kBf16)) {
     // Whole panels (no k blocks: the sums stay in the tiles), input rows in L2-sized blocks of whole tiles.
-    const int64_t mc = row_block_rows(M, K * static_cast<int64_t>(sizeof(uint16_t)), kTileRows);
+    const int64_t mc = row_block_rows(M, K * static_cast<int64_t>(sizeof(uint16_t)), amx::kTileRows);
     for_each_gemm_block(M, N, kNP, kp_total, kp_total, mc, [&](int64_t m0, int64_t mcur, int64_t p, int ncols,
                                                                 int64_t, int64_t) {
       amx_block(x, K, wp + p * kp_total * kNP * 2, kp_total, o, m0, mcur, p * kNP, ncols);
@@ -292,21 +255,15 @@ bool linear_bf16_pairs_supported() {
 // Whether the pair panels run on AMX tiles here (the CPU has AMX-BF16 and the tile path is not turned off).
 bool linear_bf16_amx_active() {
 #if defined(__AVX512BF16__)
-  return amx_wanted.load() && amx_usable();
+  return amx::active(amx::kBf16);
 #else
   return false;
 #endif
 }
 
-// Turn the AMX tile path on or off (tests and benchmarks compare it with the vdpbf16ps GEMM); returns the old state.
-bool linear_bf16_amx_set_enabled(bool on) {
-#if defined(__AVX512BF16__)
-  return amx_wanted.exchange(on);
-#else
-  (void)on;
-  return false;
-#endif
-}
+// Turn the AMX tile paths (bf16 and int8) on or off (tests and benchmarks compare them with the vector kernels);
+// returns the old state.
+bool linear_amx_set_enabled(bool on) { return amx::wanted().exchange(on); }
 
 // w [N, K] bf16, K even -> pair panels [ceil(N / kNP), K / 2, kNP, 2] bf16, zero rows past N.
 at::Tensor pack_linear_weight_bf16_pairs(at::Tensor w) {
