@@ -59,6 +59,22 @@ def rotate_blocks(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return (blocks @ (r.t() if inverse else r)).reshape(shape)
 
 
+def rotate_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] fp32 (K a multiple of 64) -> each block of 64 features times R, as a fast Walsh-Hadamard transform
+    (the kernel's method, quant.cpp). Elementwise butterflies give every row the same bits whatever the number of
+    rows, where a matmul's kernel (and so its rounding) follows the shape (MKL's, with the AVX2 cap on an Intel
+    CPU)."""
+    shape = x.shape
+    b = (x.reshape(-1, ROTATION_BLOCK) * rotation_signs()).reshape(-1, ROTATION_BLOCK)
+    h = 1
+    while h < ROTATION_BLOCK:
+        pairs = b.view(-1, ROTATION_BLOCK // (2 * h), 2, h)
+        b = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
+        b = b.reshape(-1, ROTATION_BLOCK)
+        h *= 2
+    return (b * (1.0 / ROTATION_BLOCK**0.5)).reshape(shape)
+
+
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output channel: weight [out, in] (float) -> (codes int8 [out, in], scale fp32 [out]),
     with weight ~= codes * scale[:, None] within scale / 2. An all-zero row gets scale 1 (codes 0)."""
@@ -89,7 +105,7 @@ def quantize_rows(x: torch.Tensor, rotate: bool) -> tuple[torch.Tensor, torch.Te
     as the kernel's quantization does: an all-zero row gives zeros and scale 0, a row with inf/nan scale nan."""
     xf = x.float()
     if rotate:
-        xf = rotate_blocks(xf)
+        xf = rotate_rows(xf)
     row_max = xf.abs().amax(1)  # [T]
     finite = torch.isfinite(row_max)
     inv = torch.where(finite & (row_max > 0), ACTIVATION_LEVELS / row_max, torch.zeros_like(row_max))
