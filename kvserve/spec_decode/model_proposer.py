@@ -244,7 +244,7 @@ class ModelProposer(Proposer):
         qsl = step.query_start_loc
         rows = step.rows[asleep]
         self._skipped.remember(
-            [step.states[i].req_id for i in asleep.tolist()],
+            lambda i: step.states[int(asleep[i])].req_id,
             rows,
             qsl[asleep],
             step.positions[qsl[asleep]].astype(np.int64),

@@ -14,6 +14,8 @@ single indexed copy per step. Per-request Python runs only when a request falls 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -39,15 +41,15 @@ class SkippedPositions:
 
     def remember(
         self,
-        req_ids: list[str],
+        req_id: Callable[[int], str],  # the request id of entry i (looked up only for requests falling asleep)
         rows: np.ndarray,  # [A] InputBatch rows of the requests left out of this step's pass
         token_start: np.ndarray,  # [A] index of each one's first token in the step
         start: np.ndarray,  # [A] position of that token
         end: np.ndarray,  # [A] its computed count after the step (positions past it are computed again later)
         hidden: torch.Tensor,  # [T, hidden] the target's hidden rows of the step's tokens
     ) -> None:
-        done = end > start
-        rows, token_start, start, end = rows[done], token_start[done], start[done], end[done]
+        kept = np.flatnonzero(end > start)  # entries that computed something this step
+        rows, token_start, start, end = rows[kept], token_start[kept], start[kept], end[kept]
         if not len(rows):
             return
         self._grow(int(rows.max()) + 1, hidden)
@@ -55,7 +57,7 @@ class SkippedPositions:
         new = first < 0
         if new.any():
             for i in np.flatnonzero(new).tolist():
-                self._row_of[req_ids[i]] = int(rows[i])
+                self._row_of[req_id(int(kept[i]))] = int(rows[i])
             first[new] = start[new]
         if self.keep_hidden:
             # Only the last `window` positions of each request can be caught up on: write those (a ring slot is

@@ -27,7 +27,7 @@ def sleep_steps(record: SkippedPositions, reqs: dict[str, int], spans: list[dict
         starts = np.array([step[n][0] for n in names])
         ends = np.array([step[n][2] for n in names])
         hidden = torch.cat([hidden_of(np.arange(s, s + n), r) for s, n, r in zip(starts, lens, rows, strict=True)])
-        record.remember(names, rows, token_start, starts, ends, hidden)
+        record.remember(names.__getitem__, rows, token_start, starts, ends, hidden)
 
 
 def test_caught_up_rows_are_the_missed_positions():
@@ -66,3 +66,11 @@ def test_without_hidden_rows_only_positions_are_kept():
     sleep_steps(record, {"a": 0}, [{"a": (10, 1, 11)}, {"a": (11, 1, 12)}])
     assert record.take("a", 0, 12) == (10, None)
     assert not record.any_behind(np.array([0, 5, 100]))
+
+
+def test_an_entry_that_computed_nothing_does_not_shift_the_others_ids():
+    record = SkippedPositions(keep_hidden=False, window=8)
+    # "idle" sits in the step with nothing computed (end == start); "b" after it falls asleep.
+    sleep_steps(record, {"idle": 0, "b": 2}, [{"idle": (5, 1, 5), "b": (9, 1, 10)}])
+    record.forget("b")  # must clear b's row, which only works if the record knows b by its own id
+    assert not record.any_behind(np.array([0, 2]))
