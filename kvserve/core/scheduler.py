@@ -469,7 +469,8 @@ class Scheduler:
                         self.swap.drop(req_id)
                 output.kv_transfer_params = self._free_request(request)
             elif runner_output.spec_token_ids is not None and self.spec_config is not None:
-                request.spec_token_ids = runner_output.spec_token_ids[idx][: self._max_drafts(request)]
+                drafts = runner_output.spec_token_ids[idx]
+                request.spec_token_ids = drafts[: self._max_drafts(request)] if drafts else []
                 request.spec_parents = runner_output.spec_parents[idx] if runner_output.spec_parents else None
             outputs.append(output)
         return outputs

@@ -36,7 +36,7 @@ from kvserve.core.spec_cost import ProposerCostModel, StepCostModel, best_num_dr
 # Speculate only where expected tokens per second beat a plain step's by this factor (noise in the costs).
 MARGIN = 0.05
 # Share of the measured step time that probes of requests at k = 0 may cost, on average.
-PROBE_BUDGET = 0.02
+PROBE_BUDGET = 0.01
 MIN_PROBE_INTERVAL = 8
 # What a request is assumed to accept at each position before anything is observed.
 PRIOR_ACCEPTANCE = 0.5
@@ -130,6 +130,7 @@ class SpecDecodePolicy:
         self.engine_acceptance = Acceptance(self.k, _ENGINE_WEIGHT)
         self._probe_credit = 0.0
         self._only_probes = False  # the last grant gave drafts to probes only
+        self._charged = 0.0  # the probe estimates the last grant took from the credit
 
     def new_state(self, step_id: int) -> SpecRequestState:
         start = Acceptance(self.k, _REQUEST_WEIGHT, self.engine_acceptance)
@@ -161,8 +162,11 @@ class SpecDecodePolicy:
             if n == 0 and samples[i] and step_id >= s.next_probe_step:
                 due.append(i)
         # Where only probes run the proposer after this step, the step's measured proposer seconds are what they
-        # cost (with a new shape's warm-up, which the medians leave out): they are charged that, not the estimate.
+        # cost (with a new shape's warm-up, which the medians leave out): observe_step swaps the estimate charged
+        # here for them. Each probe is charged its estimate as it is granted, so that many requests due at once
+        # (a batch that arrived together) are probed a few per step, not all in one burst.
         self._only_probes = not any(limits)
+        self._charged = 0.0
         if due:
             due.sort(key=lambda i: states[i].next_probe_step)
             cost = self._probe_cost(len(states))
@@ -174,8 +178,8 @@ class SpecDecodePolicy:
                 limits[i] = 1
                 if cost is None:
                     break  # nothing measured yet: one probe per step until something is
-                if not self._only_probes:
-                    self._probe_credit -= cost
+                self._probe_credit -= cost
+                self._charged += cost
         return limits
 
     def num_to_verify(self, state: SpecRequestState, num_proposed: int) -> int:
@@ -198,22 +202,32 @@ class SpecDecodePolicy:
         order = sorted(range(len(acceptance)), key=lambda i: -acceptance[i][0])
         extra: list[float] = []
         extra_at = -1  # the step size `extra` was computed for: it changes only where a request gets drafts
+        # Requests with the same estimates get the same answer at the same step size (at batch 64 most requests
+        # that failed the same probes have the same estimates): the estimates refused at the current size.
+        refused: set[tuple[float, ...]] = set()
         for i in order:
             acc = acceptance[i][: self.depth] + [0.0] * (self.k - self.depth)
             if acc[0] <= 0.0:
                 break  # sorted: nobody after it can gain anything
+            key = tuple(acc)
+            if key in refused:
+                continue  # refused already at this step size
             if extra_at != num_tokens:
                 base = self.step_cost.seconds(num_tokens)
                 assert base is not None
                 extra = []
-                for n in range(1, self.k + 1):
-                    more = self.step_cost.seconds(num_tokens + n)
+                for j in range(1, self.k + 1):
+                    more = self.step_cost.seconds(num_tokens + j)
                     assert more is not None
-                    extra.append(max(0.0, more - base) + proposer[n])
+                    extra.append(max(0.0, more - base) + proposer[j])
                 extra_at = num_tokens
             n = best_num_drafts(acc, share, extra, MARGIN)
-            out[i] = n
-            num_tokens += n
+            if n:
+                out[i] = n
+                num_tokens += n
+                refused.clear()  # the step grew: the refusals were at its old size
+            else:
+                refused.add(key)
         return out
 
     def _probe_cost(self, num_decodes: int) -> float | None:
@@ -254,6 +268,7 @@ class SpecDecodePolicy:
         self.proposer_cost.observe(pass_seconds, num_pass_requests, draft_seconds, num_draft_tokens)
         total = step_seconds + pass_seconds + draft_seconds
         if self._only_probes:
-            self._probe_credit -= pass_seconds + draft_seconds
+            self._probe_credit += self._charged - (pass_seconds + draft_seconds)
+        self._charged = 0.0
         # Credit for probes, capped at one step's time so that probes after a quiet spell do not come in a burst.
         self._probe_credit = min(self._probe_credit + PROBE_BUDGET * total, max(total, 0.0))

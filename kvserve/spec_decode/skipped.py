@@ -60,17 +60,26 @@ class SkippedPositions:
                 self._row_of[req_id(int(kept[i]))] = int(rows[i])
             first[new] = start[new]
         if self.keep_hidden:
-            # Only the last `window` positions of each request can be caught up on: write those (a ring slot is
-            # written once per step, so the copy's order does not matter).
-            lo = np.maximum(start, end - self.window)
-            counts = end - lo
-            offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-            positions = np.repeat(lo, counts) + offsets
-            tokens = np.repeat(token_start - start, counts) + positions
             assert self._ring is not None
-            dst_rows = torch.from_numpy(np.repeat(rows, counts)).to(hidden.device)
-            dst_slots = torch.from_numpy(positions % self.window).to(hidden.device)
-            self._ring[dst_rows, dst_slots] = hidden[torch.from_numpy(tokens).to(hidden.device)]
+            if int(end[-1] - start[-1]) == 1 and bool((end - start == 1).all()):
+                # Decodes, the usual step at a large batch: one position each (this runs every step, so it
+                # stays a handful of array operations).
+                tokens, dst_rows, positions = token_start, rows, start
+            else:
+                # Only the last `window` positions of each request can be caught up on: write those (a ring slot
+                # is written once per step, so the copy's order does not matter).
+                lo = np.maximum(start, end - self.window)
+                counts = end - lo
+                offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+                positions = np.repeat(lo, counts) + offsets
+                tokens = np.repeat(token_start - start, counts) + positions
+                dst_rows = np.repeat(rows, counts)
+            flat = torch.from_numpy(dst_rows * self.window + positions % self.window).to(hidden.device)
+            if int(tokens[-1] - tokens[0]) == len(tokens) - 1 and bool((np.diff(tokens) == 1).all()):
+                src = hidden[int(tokens[0]) : int(tokens[-1]) + 1]  # consecutive rows (decodes come first)
+            else:
+                src = hidden[torch.from_numpy(tokens).to(hidden.device)]
+            self._ring.view(-1, self._ring.shape[-1]).index_copy_(0, flat, src.to(self._ring.dtype))
             first = np.maximum(first, end - self.window)
         self._first[rows] = first
 

@@ -10,6 +10,7 @@ from kvserve.core.spec_policy import (
     MAX_PROBE_INTERVAL,
     MIN_PROBE_INTERVAL,
     PRIOR_ACCEPTANCE,
+    PROBE_BUDGET,
     Acceptance,
     SpecDecodePolicy,
 )
@@ -88,7 +89,7 @@ def _measured_policy(config: SpeculativeConfig, plain_ms: float, per_token_ms: f
 
 
 def test_grant_gives_k_to_good_requests_and_probes_bad_ones_within_the_budget():
-    # A proposer pass of 5 ms a request: a probe costs ~10 ms, ~30 steps of the 2% probe budget.
+    # A proposer pass of 5 ms a request: a probe costs ~10 ms, ~60 steps of the 1% probe budget.
     policy = _measured_policy(SpeculativeConfig("ngram", K), 17.0, 0.01, 5.0)
     good, bad = policy.new_state(0), policy.new_state(0)
     for _ in range(5):
@@ -102,7 +103,7 @@ def test_grant_gives_k_to_good_requests_and_probes_bad_ones_within_the_budget():
     assert bad.probing and policy.num_to_verify(bad, 3) == 1 and bad.verifying_probe
     policy.observe_verification(bad, 1, 0)  # the probe fails: the interval doubles for the one after next
     assert bad.probe_interval == 2 * MIN_PROBE_INTERVAL and bad.next_probe_step == 2 * MIN_PROBE_INTERVAL
-    # Due again, but the credit (2% of each step's time) has not paid for the last probe yet.
+    # Due again, but the credit (1% of each step's time) has not paid for the last probe yet.
     assert policy.grant([good, bad], [True, True], 2 * MIN_PROBE_INTERVAL) == [K, 0]
     for _ in range(60):
         policy.observe_step(2 + K, True, 17.1 * MS, 10.0 * MS, 2, 0.0, 0)
@@ -135,8 +136,8 @@ def test_fixed_k_and_disable_by_batch_size():
 
 def test_probes_alone_are_charged_their_measured_seconds():
     """Where only probes run the proposer, the step's measured proposer seconds (a new shape's warm-up included,
-    which the medians leave out) come off the probe credit: a 200 ms probe pays for itself only after 200 ms / 2%
-    = 10 s of steps."""
+    which the medians leave out) come off the probe credit: a 200 ms probe pays for itself only after 200 ms / 1%
+    = 20 s of steps."""
     policy = _measured_policy(SpeculativeConfig("ngram", K), 17.0, 0.01, 1.0)
     bad = policy.new_state(0)
     for _ in range(5):
@@ -148,7 +149,7 @@ def test_probes_alone_are_charged_their_measured_seconds():
     for _ in range(100):
         policy.observe_step(1, True, 17 * MS, 0.0, 0, 0.0, 0)
     assert granted == [0] * 100
-    assert policy.grant([bad], [True], 1000) == [0]  # 100 steps of 17 ms earned 34 ms of the 200
+    assert policy.grant([bad], [True], 1000) == [0]  # 100 steps of 17 ms earned 17 ms of the 200
 
 
 def test_a_tree_is_credited_with_its_depth_only():
@@ -164,3 +165,27 @@ def test_a_tree_is_credited_with_its_depth_only():
     state = tree_policy.new_state(0)
     tree_policy.observe_verification(state, 8, 2)
     assert state.acceptance.num_observed == 2 and state.acceptance.values[1] > PRIOR_ACCEPTANCE
+
+
+def test_requests_due_together_are_probed_a_few_at_a_time():
+    """A batch that arrived together comes due for its first probes in the same step. Where nothing else is
+    drafted, each probe still takes its estimate from the credit as it is granted, so the credit (at most one step's
+    time) buys a few probes per step, not one for every request: the burst that cost a batch-64 run 2% at once."""
+    policy = _measured_policy(SpeculativeConfig("ngram", K), 17.0, 0.3, 1.0)
+    states = [policy.new_state(0) for _ in range(64)]
+    for s in states:
+        for _ in range(5):
+            policy.observe_verification(s, 1, 0)
+    for _ in range(200):  # a long quiet spell: the credit is full (one step's time)
+        policy.observe_step(64, True, 36 * MS, 0.0, 0, 0.0, 0)
+    estimate = policy._probe_cost(64)
+    assert estimate is not None and estimate > 0
+    granted = policy.grant(states, [True] * 64, MIN_PROBE_INTERVAL)
+    assert 1 <= sum(granted) <= 36 * MS / estimate + 1 < 64
+    # The step's measured proposer seconds replace the estimates charged: probes that cost five times their
+    # estimate leave the credit four estimates lower each (plus the step's own share of the budget).
+    n, credit = sum(granted), policy._probe_credit
+    measured = 5 * estimate * n
+    policy.observe_step(64 + n, False, 36 * MS, measured, n, 0.0, 0)
+    expected = credit + estimate * n - measured + PROBE_BUDGET * (36 * MS + measured)
+    assert policy._probe_credit == pytest.approx(expected)

@@ -74,3 +74,29 @@ def test_an_entry_that_computed_nothing_does_not_shift_the_others_ids():
     sleep_steps(record, {"idle": 0, "b": 2}, [{"idle": (5, 1, 5), "b": (9, 1, 10)}])
     record.forget("b")  # must clear b's row, which only works if the record knows b by its own id
     assert not record.any_behind(np.array([0, 2]))
+
+
+def test_decodes_between_awake_requests_keep_their_own_rows():
+    """One decode each, the sleeping requests' tokens not consecutive in the step (an awake one between them):
+    each ring row gets its own request's hidden row, both on the gather path and the consecutive-rows one."""
+    record = SkippedPositions(keep_hidden=True, window=8)
+    for p in range(3):
+        # The step's tokens: a (row 0), awake (row 1), b (row 2); only a and b are passed as asleep.
+        hidden = torch.cat(
+            [hidden_of(np.array([p]), 0), hidden_of(np.array([50 + p]), 1), hidden_of(np.array([p + 9]), 2)]
+        )
+        record.remember(
+            ["a", "b"].__getitem__,
+            np.array([0, 2]),
+            np.array([0, 2]),
+            np.array([p, p + 9]),
+            np.array([p + 1, p + 10]),
+            hidden,
+        )
+    # And a step where only b sleeps (one consecutive row).
+    hidden = torch.cat([hidden_of(np.array([3]), 0), hidden_of(np.array([12]), 2)])
+    record.remember(["b"].__getitem__, np.array([2]), np.array([1]), np.array([12]), np.array([13]), hidden)
+    first, rows = record.take("a", 0, 3)
+    assert first == 0 and rows[:, 0].tolist() == [0, 1, 2] and (rows[:, 1] == 0).all()
+    first, rows = record.take("b", 2, 13)
+    assert first == 9 and rows[:, 0].tolist() == [9, 10, 11, 12] and (rows[:, 1] == 2).all()
