@@ -148,8 +148,22 @@ def test_linear_bf16_pairs_row_is_batch_invariant(n, k, pair_path):
     x = torch.randn(64, k).bfloat16()
     wp = K.pack_linear_weight_bf16_pairs(torch.randn(n, k).bfloat16())
     alone = torch.cat([K.linear_bf16_pairs(x[i : i + 1], wp, n, None) for i in range(len(x))])
-    for m in (2, 5, 13, 16, 17, 64):
+    for m in (2, 5, 13, 16, 17, 33, 48, 64):
         assert torch.equal(K.linear_bf16_pairs(x[:m], wp, n, None), alone[:m])
+
+
+@pairs
+def test_linear_bf16_pairs_large_output_matches_torch(pair_path):
+    """An output of 16 MB or more (an LM head at ~170 rows and up) is written with streaming stores: same values."""
+    torch.manual_seed(0)
+    m, n, k = 176, 49152, 64
+    x = torch.randn(m, k).bfloat16()
+    w = torch.randn(n, k).bfloat16()
+    got = K.linear_bf16_pairs(x, K.pack_linear_weight_bf16_pairs(w), n, None)
+    want = F.linear(x.double(), w.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-3 * k**0.5)
+    # ... and a row's bits are its bits alone.
+    assert torch.equal(got[100:101], K.linear_bf16_pairs(x[100:101], K.pack_linear_weight_bf16_pairs(w), n, None))
 
 
 @pairs

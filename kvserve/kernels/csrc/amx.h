@@ -17,6 +17,10 @@ namespace kvserve::amx {
 
 constexpr int kTileRows = 16;  // rows of an A or C tile
 constexpr int kTileK = 64;     // bytes of k in one A-tile row: 16 bf16 pairs or 16 int8 quads
+// Input bytes per GEMM row block on tiles. Every AMX CPU has >= 2 MiB of L2 a core, and the tiles read the rows
+// from L2 at no loss, so blocks are 4x the vector kernels': an LM head at 256 rows streams its 57 MB once, not
+// twice (row_block_rows).
+constexpr int64_t kRowBlockBytes = 1 << 20;
 
 // Tests and benchmarks turn the tile paths off to compare (KVSERVE_CPU_AMX=0 does it at load).
 inline std::atomic<bool>& wanted() {
@@ -64,6 +68,15 @@ inline TileConfig tile_config(int rows, int tail) {
     cfg.rows[5] = static_cast<uint8_t>(rows), cfg.colsb[5] = static_cast<uint16_t>(tail * 4);
     cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(tail), cfg.colsb[6] = cfg.colsb[7] = 64;
   }
+  return cfg;
+}
+
+// Two row groups of 16 x a panel's two halves (no k tail): tiles 0-3 the sums (group g, half h at 2g + h), 4, 5
+// the groups' k step, 6, 7 the weight halves. Each weight tile then feeds two products, where tile_config's
+// layout loads one weight tile per product (and is bound by tile loads, not products).
+inline TileConfig tile_config_2x2() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(t < 6 ? kTileRows : kTileK / 4), cfg.colsb[t] = 64;
   return cfg;
 }
 

@@ -278,7 +278,7 @@ void gemm_int8(const int8_t* xq, const float* row_scale, const int8_t* wp, const
   }
 #if defined(__AVX512VNNI__)
   if (amx::active(amx::kInt8)) {
-    const int64_t mc = row_block_rows(M, ldx, amx::kTileRows);
+    const int64_t mc = row_block_rows(M, ldx, amx::kTileRows, amx::kRowBlockBytes);
     for_each_gemm_block(M, N, kNP, k4, k4, mc, [&](int64_t m0, int64_t mcur, int64_t p, int ncols, int64_t, int64_t) {
       amx_block<TO>(xq + m0 * ldx, ldx, row_scale + m0, wp + p * k4 * kNP * kQ, k4, epilogue(p), y + m0 * N + p * kNP,
                     N, mcur, ncols);

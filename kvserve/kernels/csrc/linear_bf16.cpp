@@ -65,6 +65,7 @@ struct Out {
   float* out_f32;      // [M, N] fp32 when out_bf16 is null
   const float* bias;   // [N] or null
   int64_t ldy;         // N
+  bool stream = false;  // bf16 output rows of whole panels bypass the caches (aligned, and too large to stay there)
 };
 
 // The first n lanes of a vector (all 16 from n = 16 on, none below 1).
@@ -73,6 +74,20 @@ inline __mmask16 lanes(int n) { return static_cast<__mmask16>(n >= kPW ? 0xFFFF 
 inline void store_row(const __m512* acc, const Out& o, int64_t row, int64_t col, int ncols, bool last) {
   alignas(64) float tmp[kNP];
   const int64_t at = row * o.ldy + col;
+  if (ncols == kNP) {
+    // A whole panel: straight into the output (no staging copy; an LM head at 256 rows writes 25 MB of this).
+    for (int v = 0; v < kNV; ++v) {
+      __m512 a = acc[v];
+      if (last && o.bias) a = _mm512_add_ps(a, _mm512_loadu_ps(o.bias + col + v * kPW));
+      if (!last) _mm512_storeu_ps(o.partial + at + v * kPW, a);
+      else if (o.out_bf16 && o.stream)
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(o.out_bf16 + at + v * kPW), (__m256i)_mm512_cvtneps_pbh(a));
+      else if (o.out_bf16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.out_bf16 + at + v * kPW), (__m256i)_mm512_cvtneps_pbh(a));
+      else _mm512_storeu_ps(o.out_f32 + at + v * kPW, a);
+    }
+    return;
+  }
   if (!last || !o.out_bf16) {
     float* dst = last ? o.out_f32 + at : o.partial + at;
     for (int v = 0; v < kNV; ++v) {
@@ -163,8 +178,46 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const uint16_t* x, i
   constexpr int64_t ldw = kNP * 2 * sizeof(uint16_t);  // bytes per panel pair-row
   const int64_t ldx = K * static_cast<int64_t>(sizeof(uint16_t));
   alignas(64) float sums[amx::kTileRows * kNP];
+  int64_t r = 0;
+  if (!tail && mcur >= 2 * amx::kTileRows) {
+    // Pairs of 16-row groups: each weight tile serves both (the same products per row as below, so the same bits).
+    const amx::TileConfig cfg = amx::tile_config_2x2();
+    _tile_loadconfig(&cfg);
+    for (; r + 2 * amx::kTileRows <= mcur; r += 2 * amx::kTileRows) {
+      const uint16_t* xa = x + (m0 + r) * K;
+      const uint16_t* xb = xa + amx::kTileRows * K;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < full; ++kb) {
+        const uint16_t* w = panel + kb * kTilePairs * kNP * 2;
+        _tile_loadd(4, xa + kb * kTilePairs * 2, ldx);
+        _tile_loadd(6, w, ldw);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, w + kPW * 2, ldw);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, xb + kb * kTilePairs * 2, ldx);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      for (int g = 0; g < 2; ++g) {
+        if (g == 0) {
+          _tile_stored(0, sums, kNP * sizeof(float));
+          _tile_stored(1, sums + kPW, kNP * sizeof(float));
+        } else {
+          _tile_stored(2, sums, kNP * sizeof(float));
+          _tile_stored(3, sums + kPW, kNP * sizeof(float));
+        }
+        for (int i = 0; i < amx::kTileRows; ++i) {
+          const __m512 acc[kNV] = {_mm512_load_ps(sums + i * kNP), _mm512_load_ps(sums + i * kNP + kPW)};
+          store_row(acc, o, m0 + r + g * amx::kTileRows + i, col0, ncols, true);
+        }
+      }
+    }
+  }
   int configured = 0;
-  for (int64_t r = 0; r < mcur; r += amx::kTileRows) {
+  for (; r < mcur; r += amx::kTileRows) {
     const int rows = static_cast<int>(std::min<int64_t>(amx::kTileRows, mcur - r));
     if (rows != configured) {
       const amx::TileConfig cfg = amx::tile_config(rows, tail);
@@ -205,10 +258,12 @@ void gemm_pairs(const uint16_t* x, const uint16_t* wp, const Out& o, int64_t M, 
   const int64_t kp_total = K / 2;
   if (amx::active(amx::kBf16)) {
     // Whole panels (no k blocks: the sums stay in the tiles), input rows in L2-sized blocks of whole tiles.
-    const int64_t mc = row_block_rows(M, K * static_cast<int64_t>(sizeof(uint16_t)), amx::kTileRows);
+    const int64_t row_bytes = K * static_cast<int64_t>(sizeof(uint16_t));
+    const int64_t mc = row_block_rows(M, row_bytes, amx::kTileRows, amx::kRowBlockBytes);
     for_each_gemm_block(M, N, kNP, kp_total, kp_total, mc, [&](int64_t m0, int64_t mcur, int64_t p, int ncols,
                                                                 int64_t, int64_t) {
       amx_block(x, K, wp + p * kp_total * kNP * 2, kp_total, o, m0, mcur, p * kNP, ncols);
+      if (o.stream) _mm_sfence();  // streamed rows are visible before the threads join
     });
     return;
   }
@@ -235,6 +290,7 @@ void gemm_pairs(const uint16_t* x, const uint16_t* wp, const Out& o, int64_t M, 
     if (i < mcur)
       tail_tile<kMR - 1>(static_cast<int>(mcur - i), xp + i * K, K, panel, kcur, o, m0 + i, p * kNP, ncols, first,
                          last);
+    if (o.stream && last) _mm_sfence();  // streamed rows are visible before the threads join
   };
   for_each_gemm_block(M, N, kNP, kp_total, kpc, mc, block);
 }
@@ -296,10 +352,14 @@ at::Tensor linear_bf16_pairs(at::Tensor x, at::Tensor wp, int64_t n, c10::option
   if (M > 0) {
     // fp32 partial sums only where k is split in blocks (batched rows and K over 576).
     at::Tensor partial;
-    if (M > kMR && K / 2 > 288) partial = at::empty({M, n}, x.options().dtype(at::kFloat));
-    const Out o{partial.defined() ? partial.data_ptr<float>() : nullptr,
-                out_bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr,
-                out_bf16 ? nullptr : y.data_ptr<float>(), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, n};
+    if (!amx::active(amx::kBf16) && M > kMR && K / 2 > 288) partial = at::empty({M, n}, x.options().dtype(at::kFloat));
+    Out o{partial.defined() ? partial.data_ptr<float>() : nullptr,
+          out_bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr,
+          out_bf16 ? nullptr : y.data_ptr<float>(), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, n};
+    // An LM head's logits (tens of MB) are read once, by the sampler, after every row is written: writing them
+    // past the caches spares reading each line in first.
+    o.stream = out_bf16 && n % kNP == 0 && reinterpret_cast<uintptr_t>(o.out_bf16) % 64 == 0 &&
+               M * n * static_cast<int64_t>(sizeof(uint16_t)) >= (16 << 20);
     gemm_pairs(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()),
                reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), o, M, n, K);
   }

@@ -45,10 +45,11 @@ void for_each_gemm_block(int64_t m, int64_t n, int panel_width, int64_t k, int64
   });
 }
 
-// Input rows per GEMM block: at most ~256 KiB of input (the block stays in L2 while a thread's panels pass over
-// it), a multiple of the row tile `mr`, and blocks of near-equal size (no short last block when avoidable).
-inline int64_t row_block_rows(int64_t m, int64_t row_bytes, int mr) {
-  const int64_t most = std::max<int64_t>(mr, (256 << 10) / row_bytes / mr * mr);
+// Input rows per GEMM block: at most `budget` bytes of input (the block stays in L2 while a thread's panels pass
+// over it), a multiple of the row tile `mr`, and blocks of near-equal size (no short last block when avoidable).
+// Every block streams all the weights once more, so the budget is as large as L2 allows.
+inline int64_t row_block_rows(int64_t m, int64_t row_bytes, int mr, int64_t budget = 256 << 10) {
+  const int64_t most = std::max<int64_t>(mr, budget / row_bytes / mr * mr);
   return std::min(m, cdiv(cdiv(m, cdiv(m, most)), mr) * mr);
 }
 
