@@ -206,17 +206,18 @@ inline void gemv_panels(std::index_sequence<P...>, const int8_t* xq, float row_s
 #if defined(__AVX512VNNI__)
 // Rows m0.. (mcur of them) x one whole panel (all k4 quads), on the tile unit: tiles as amx.h describes, int32 sums
 // finished by the vectors' epilogue. A last group of fewer than 16 rows is configured with fewer rows.
+// `configured`: the rows the calling thread's tiles are configured for (0: none), kept across its panels (as in
+// linear_bf16.cpp: configuring per call cost more than a small call's products).
 template <typename TO>
 __attribute__((target("amx-tile,amx-int8"))) void amx_block(const int8_t* xq, int64_t ldx, const float* row_scale,
                                                              const int8_t* panel, int64_t k4,
                                                              const PanelEpilogue& e, TO* y, int64_t ldy,
-                                                             int64_t mcur, int ncols) {
+                                                             int64_t mcur, int ncols, int& configured) {
   constexpr int kQuads = amx::kTileK / kQ;  // k quads per tile step
   const int64_t full = k4 / kQuads;
   const int tail = static_cast<int>(k4 % kQuads);
   constexpr int64_t ldw = kNP * kQ;  // bytes per panel quad-row
   alignas(64) int32_t sums[amx::kTileRows * kNP];
-  int configured = 0;
   for (int64_t r = 0; r < mcur; r += amx::kTileRows) {
     const int rows = static_cast<int>(std::min<int64_t>(amx::kTileRows, mcur - r));
     if (rows != configured) {
@@ -251,8 +252,9 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_block(const int8_t* xq, in
       finish_vec(_mm512_load_si512(sums + i * kNP + kW), 1, row_scale[r + i], e, yr, ncols);
     }
   }
-  _tile_release();
 }
+
+__attribute__((target("amx-tile"))) void tile_release() { _tile_release(); }
 #endif
 
 template <typename TO>
@@ -279,9 +281,18 @@ void gemm_int8(const int8_t* xq, const float* row_scale, const int8_t* wp, const
 #if defined(__AVX512VNNI__)
   if (amx::active(amx::kInt8)) {
     const int64_t mc = row_block_rows(M, ldx, amx::kTileRows, amx::kRowBlockBytes);
-    for_each_gemm_block(M, N, kNP, k4, k4, mc, [&](int64_t m0, int64_t mcur, int64_t p, int ncols, int64_t, int64_t) {
-      amx_block<TO>(xq + m0 * ldx, ldx, row_scale + m0, wp + p * k4 * kNP * kQ, k4, epilogue(p), y + m0 * N + p * kNP,
-                    N, mcur, ncols);
+    // for_each_gemm_block's loops, with the tiles configured once per thread's share and released at its end.
+    at::parallel_for(0, cdiv(N, kNP), 1, [&](int64_t p_begin, int64_t p_end) {
+      int configured = 0;
+      for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t mcur = std::min(mc, M - m0);
+        for (int64_t p = p_begin; p < p_end; ++p) {
+          const int ncols = static_cast<int>(std::min<int64_t>(kNP, N - p * kNP));
+          amx_block<TO>(xq + m0 * ldx, ldx, row_scale + m0, wp + p * k4 * kNP * kQ, k4, epilogue(p),
+                        y + m0 * N + p * kNP, N, mcur, ncols, configured);
+        }
+      }
+      if (configured) tile_release();
     });
     return;
   }
