@@ -168,6 +168,14 @@ inline void gemv_panels(const uint16_t* x, const uint16_t* panels, int64_t kp, c
 
 constexpr int kTilePairs = amx::kTileK / 4;  // k pairs per tile step
 
+// A tile pair's sums ([rows, kNP] fp32, as the tiles stored them) -> output rows row0.. (the vectors' epilogue).
+inline void store_sums(const float* sums, int rows, const Out& o, int64_t row0, int64_t col0, int ncols) {
+  for (int i = 0; i < rows; ++i) {
+    const __m512 acc[kNV] = {_mm512_load_ps(sums + i * kNP), _mm512_load_ps(sums + i * kNP + kPW)};
+    store_row(acc, o, row0 + i, col0, ncols, true);
+  }
+}
+
 // Rows m0.. (mcur of them) x one whole panel (all kp pairs; columns col0.., ncols of them), on the tile unit. A
 // tile of fewer than 16 rows (batch 1, a batch's last rows) is configured with fewer rows, not padded.
 // `configured`: the calling thread's tile configuration (0 none, -1 the 2 x 2 layout, else tile_config's rows),
@@ -207,19 +215,13 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const uint16_t* x, i
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
       }
-      for (int g = 0; g < 2; ++g) {
-        if (g == 0) {
-          _tile_stored(0, sums, kNP * sizeof(float));
-          _tile_stored(1, sums + kPW, kNP * sizeof(float));
-        } else {
-          _tile_stored(2, sums, kNP * sizeof(float));
-          _tile_stored(3, sums + kPW, kNP * sizeof(float));
-        }
-        for (int i = 0; i < amx::kTileRows; ++i) {
-          const __m512 acc[kNV] = {_mm512_load_ps(sums + i * kNP), _mm512_load_ps(sums + i * kNP + kPW)};
-          store_row(acc, o, m0 + r + g * amx::kTileRows + i, col0, ncols, true);
-        }
-      }
+      // Tile ids are immediates: each group's pair of sum tiles is named.
+      _tile_stored(0, sums, kNP * sizeof(float));
+      _tile_stored(1, sums + kPW, kNP * sizeof(float));
+      store_sums(sums, amx::kTileRows, o, m0 + r, col0, ncols);
+      _tile_stored(2, sums, kNP * sizeof(float));
+      _tile_stored(3, sums + kPW, kNP * sizeof(float));
+      store_sums(sums, amx::kTileRows, o, m0 + r + amx::kTileRows, col0, ncols);
     }
   }
   for (; r < mcur; r += amx::kTileRows) {
@@ -250,10 +252,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const uint16_t* x, i
     }
     _tile_stored(0, sums, kNP * sizeof(float));
     _tile_stored(1, sums + kPW, kNP * sizeof(float));
-    for (int i = 0; i < rows; ++i) {
-      const __m512 acc[kNV] = {_mm512_load_ps(sums + i * kNP), _mm512_load_ps(sums + i * kNP + kPW)};
-      store_row(acc, o, m0 + r + i, col0, ncols, true);
-    }
+    store_sums(sums, rows, o, m0 + r, col0, ncols);
   }
 }
 
