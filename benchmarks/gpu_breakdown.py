@@ -157,6 +157,8 @@ def categorize(name: str) -> str:
         return "attention (segment decode)"
     if "paged_attention" in n or "reduce_splits" in n:
         return "attention (prefill kernel)"
+    if "rotary_write_kv" in n:
+        return "rotary + KV write"
     if "write_kv" in n:
         return "KV write"
     if "gumbel" in n:

@@ -75,7 +75,12 @@ DEVICE = "cuda"  # "cpu" with --smoke
 # N+1 while the GPU runs step N); eager.
 MODES = ("graphs", "graphs-async", "eager")
 # The roofline stage's A/B of the batch-1 Triton GEMV: the same mode with cuBLAS for every linear.
-ROOFLINE_MODES = MODES + ("graphs-async-cublas",)
+# A/B variants of graphs-async: each suffix sets one switch off for that engine.
+ROOFLINE_SWITCHES = {
+    "-cublas": "KVSERVE_TRITON_GEMV",  # cuBLAS for every batch-1 linear
+    "-unfused": "KVSERVE_FUSE_ROTARY_WRITE",  # rotary and the KV write as two launches
+}
+ROOFLINE_MODES = MODES + tuple("graphs-async" + suffix for suffix in ROOFLINE_SWITCHES)
 # --smoke: tiny stand-ins for the measured shapes (random weights, as there).
 SMOKE_SHAPES = {"llama3-8b": "tiny-llama", "qwen3-0.6b": "tiny-qwen3"}
 
@@ -405,9 +410,9 @@ def stage_roofline(res: dict, args) -> None:
     out: dict = {"model": "llama3-8b shape, random bf16 weights", "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
     for mode in args.roofline_modes:
         graphs = mode != "eager"
-        cublas = mode.endswith("-cublas")
-        if cublas:
-            os.environ["KVSERVE_TRITON_GEMV"] = "0"
+        switches = [var for suffix, var in ROOFLINE_SWITCHES.items() if mode.endswith(suffix)]
+        for var in switches:
+            os.environ[var] = "0"
         try:
             llm = LLM(
                 folder,
@@ -420,7 +425,8 @@ def stage_roofline(res: dict, args) -> None:
                 async_scheduling="-async" in mode,
             )
         finally:
-            os.environ.pop("KVSERVE_TRITON_GEMV", None)
+            for var in switches:
+                os.environ.pop(var, None)
         runner = llm.engine.engine_core.executor.driver_runner
         weight_bytes = weights_read_per_step(runner.model)
         step = decode_step_time(llm, prompt, args.roofline_short, args.roofline_long)

@@ -110,6 +110,21 @@ class AttentionBackend(ABC):
         [T, num_heads * head_dim].
         """
 
+    def rotate_and_write(
+        self,
+        rotary: Any,  # layers.rotary.RotaryEmbedding
+        positions: torch.Tensor,
+        qkv: torch.Tensor,  # [T, (num_heads + 2 * num_kv_heads) * head_dim]: q, k, v heads
+        num_heads: int,
+        num_kv_heads: int,
+        kv_cache: KVCache,
+        metadata: Any,
+    ) -> bool:
+        """Rotate the q and k heads of `qkv` in place and write the new k and v into the cache in one pass, where
+        this backend can (then `forward` gets kv_written=True); False (the default): nothing was done, the caller
+        rotates and `forward` writes."""
+        return False
+
     def fused_layer(self) -> Any:
         """A C++ function that runs a whole decoder layer with this backend's attention, or None (the default):
         see kernels/csrc/decoder_layer.cpp. Used only where `fused_layer_args` gives arguments for the step."""

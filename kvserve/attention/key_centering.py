@@ -55,6 +55,9 @@ class _MeanKeyBackend:
     def fused_layer_args(self, metadata: Any) -> None:
         return None  # the module path, so that every layer's keys pass through forward
 
+    def rotate_and_write(self, *args) -> bool:
+        return False  # the layer rotates, and forward sees the rotated keys
+
     def forward(self, q, k, v, kv_cache, metadata, scale, sliding_window=None, alibi_slopes=None) -> torch.Tensor:
         n = q.shape[0]
         self.sums.append(k.float().sum(0).flatten())

@@ -15,6 +15,7 @@ the device once. For CUDA graphs of decode batches the backend also keeps persis
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
 from kvserve.attention.common import tree_hidden_keys
 from kvserve.attention.triton_decode import DecodeConfig, decode_attention, first_segments, segments_per_program
-from kvserve.attention.triton_kernels import block_m_for, num_splits_for, paged_attention, write_kv
+from kvserve.attention.triton_kernels import block_m_for, num_splits_for, paged_attention, rotary_write_kv, write_kv
 from kvserve.device_copy import to_device
 from kvserve.utils import cdiv
 
@@ -114,6 +115,12 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_target_programs = 4 * num_sms
         # False: decode rows go through the prefill kernel as before the segment kernel (benchmarks compare).
         self.segment_decode = True
+        # The segment kernel's per-(request, KV head) counts, zero between launches; every layer's launch reuses
+        # them (launches on one stream run one after the other). Grown outside graph capture only: the decode
+        # graphs' buffers size it for their largest batch first.
+        self._arrived = torch.zeros(0, dtype=torch.int32, device=self.device)
+        # rotate_and_write on the GPU: rotary and the KV write in one launch (False: two, as before; A/B runs).
+        self.fuse_rotary_write = os.environ.get("KVSERVE_FUSE_ROTARY_WRITE") != "0"
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -192,6 +199,27 @@ class TritonAttentionBackend(AttentionBackend):
             hidden_keys=None if hidden is None or not hidden.any() else to_device(hidden, self.device),
         )
 
+    def rotate_and_write(self, rotary, positions, qkv, num_heads, num_kv_heads, kv_cache, metadata) -> bool:
+        # On the GPU, half types (fp32 keeps torch's rotary for HF parity, an fp8 cache the write's conversion);
+        # the CPU keeps its C++ rotary.
+        key_cache, value_cache = kv_cache
+        if not (qkv.is_cuda and self.fuse_rotary_write and qkv.dtype != torch.float32 and key_cache.dtype == qkv.dtype):
+            return False
+        if qkv.stride(1) != 1:
+            return False
+        rotary_write_kv(
+            positions,
+            qkv,
+            rotary.cos,
+            rotary.sin,
+            num_heads,
+            num_kv_heads,
+            key_cache,
+            value_cache,
+            metadata.slot_mapping,
+        )
+        return True
+
     def warmup(self, kv_cache: KVCache) -> None:
         """Compile, before serving starts, the kernel variants a step may need: the KV write, the decode kernel,
         and the prefill kernel for each rows-per-program size (16, 32, 64). Each compiles on its first launch, a
@@ -224,12 +252,14 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        kv_written: bool = False,  # rotate_and_write did it
     ) -> torch.Tensor:
         window = sliding_window or 0  # the kernels' "no window"
         key_cache, value_cache = kv_cache
         # Every write before any read (see AttentionBackend.forward). Reads are masked to each request's own
         # keys, so a reused block's stale contents (even NaN) are never loaded.
-        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        if not kv_written:
+            write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = metadata.num_decodes
         if nd:
@@ -249,6 +279,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self.decode_config,
                 window,
                 alibi_slopes,
+                self._arrived_for(nd),
             )
         paged_attention(
             q,
@@ -271,6 +302,12 @@ class TritonAttentionBackend(AttentionBackend):
         )
         return out.view(q.shape[0], -1)
 
+    def _arrived_for(self, num_reqs: int) -> torch.Tensor:
+        need = num_reqs * self.num_kv_heads
+        if self._arrived.numel() < need:
+            self._arrived = torch.zeros(max(need, 2 * self._arrived.numel()), dtype=torch.int32, device=self.device)
+        return self._arrived
+
     # ------------------------------------------------------------------ captured decode graphs
 
     def alloc_decode_buffers(
@@ -291,6 +328,7 @@ class TritonAttentionBackend(AttentionBackend):
             "block_table": max_reqs * width,
         }
         offsets, size = _aligned_offsets(sizes)
+        self._arrived_for(max_reqs)
         pin = self.device.type == "cuda"
         staging = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
         packed = torch.zeros(size, dtype=torch.int32, device=self.device)

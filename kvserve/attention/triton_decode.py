@@ -2,7 +2,7 @@
 
 Each request's keys are cut into segments of `segment` keys at fixed positions (0, segment, 2 * segment, ...).
 For every segment the kernel computes an unnormalised partial output with its running max and sum, from a fresh
-start at the segment's first key; `_combine_segments_kernel` then merges a request's segments in segment order.
+start at the segment's first key; the request's segments are then merged in segment order, in the same launch.
 The split points depend on key positions only, never on the batch (its size, the other requests' lengths, the
 GPU), so a row's result is the same bits whatever batch it runs in, eagerly or in a CUDA graph of any padded
 size (batch invariance, issue 32). The prefill kernel (triton_kernels.paged_attention) sums in another order, so
@@ -14,8 +14,10 @@ state reset, as the loop crosses the segment's end). Which program computes a se
 the run length is chosen per launch from the batch size alone (`segments_per_program`): a large batch gives each
 request one program (requests x KV heads programs already fill the GPU), a small one splits long contexts over
 several. The grid, (requests x programs per request, KV heads), depends on the batch size and the longest context
-allowed, not on the lengths: a captured graph serves any step, and programs past a request's last segment return
-at once.
+allowed, not on the lengths: a captured graph serves any step, and programs past a request's last segment only
+count themselves in. The program that finishes last among a (request, KV head)'s merges them (a count per pair in
+`arrived`, zero between launches): a separate merge kernel cost ~2.2 us a layer at batch 1 on an H200, a
+launch and its gap included.
 
 Inside a program, the rows of the tl.dot are the GQA group's query heads (padded to 16, the smallest dot), so
 every K/V tile is loaded once for the whole group; each key's head slice (head_dim contiguous elements) is one
@@ -48,6 +50,7 @@ class DecodeConfig:
     tile_n: int = 128  # keys per inner-loop tile
     num_warps: int = 4
     num_stages: int = 2
+    merge_segs: int = 0  # segments' partials the merge loads at once; 0: ~4K fp32 values' worth (tests set it)
 
 
 def first_segments(seq_lens: np.ndarray, segment: int) -> np.ndarray:
@@ -75,15 +78,19 @@ def _decode_segments_kernel(
     q_ptr,  # [R, H, D] (row r: request r's query token), rows of any stride
     key_cache_ptr,  # [N, B, Hkv, D]
     value_cache_ptr,
+    out_ptr,  # [R, H, D], rows of any stride
     part_ptr,  # [S_cap, H, DIM_PAD] fp32 partial output of each segment
     max_ptr,  # [S_cap, H] fp32 running max (log2 domain)
     sum_ptr,  # [S_cap, H] fp32 softmax denominator
+    arrived_ptr,  # [>= R * Hkv] int32, zero between launches: programs of a (request, KV head) done so far
     block_table_ptr,  # [R, W] int32
     seq_lens_ptr,  # [R] int32 keys including this step's; 0 = padding row
     first_seg_ptr,  # [R] int32 each request's first partial slot
     scale_log2,
     stride_qt,
     stride_qh,
+    stride_ot,
+    stride_oh,
     stride_cb,
     stride_cs,
     stride_ch,
@@ -94,6 +101,8 @@ def _decode_segments_kernel(
     alibi_ptr,  # [H] fp32 ALiBi slopes; unused without ALIBI
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
+    GROUP_P2: tl.constexpr,  # GROUP rounded up to a power of 2: the merge's rows
+    MERGE_SEGS: tl.constexpr,  # segments the merge loads at once (a power of 2)
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -124,7 +133,7 @@ def _decode_segments_kernel(
     stat_base = tl.load(first_seg_ptr + req).to(tl.int64) * num_heads + head  # [GROUP_PAD]
     # This program's key tiles: those of its run of segments that the request has, from the tile of the first
     # key in the window on (a sliding window: the segments before the window's segment are left unwritten and
-    # skipped by the combine; no key before the window is loaded, its block may belong to another request).
+    # skipped by the merge; no key before the window is loaded, its block may belong to another request).
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     tile_lo = (pid % programs_per_req) * segs_per_program * SEG_TILES
     tile_hi = tl.minimum(tile_lo + segs_per_program * SEG_TILES, tl.cdiv(seq_len, TILE_N))
@@ -175,53 +184,88 @@ def _decode_segments_kernel(
             l_i = tl.where(seg_end, 0.0, l_i)
             m_i = tl.where(seg_end, float("-inf"), m_i)
 
+    # The merge, in the program that finishes last among its request's (for this KV head): each program counts
+    # itself in once its partials are stored (the barrier orders all its threads' stores before the release);
+    # the one that sees every other program counted reads all partials and resets the count for the next launch.
+    # One program per request (large batches) merges without the count. Either way the merge reads the stored
+    # partials in segment order, so its bits do not depend on which program ran which segment.
+    arrived = programs_per_req - 1
+    if programs_per_req > 1:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrived_ptr + req * tl.num_programs(1) + kv_head, 1, sem="acq_rel")
+    if arrived == programs_per_req - 1:
+        if programs_per_req > 1:
+            tl.store(arrived_ptr + req * tl.num_programs(1) + kv_head, 0)
+        tl.debug_barrier()  # this program's own partials, stored by other threads, are read below
+        _merge_segments(
+            out_ptr + req64 * stride_ot,
+            part_ptr,
+            max_ptr,
+            sum_ptr,
+            tl.load(first_seg_ptr + req).to(tl.int64),
+            kv_head * GROUP,
+            num_heads,
+            stride_oh,
+            lo // (SEG_TILES * TILE_N),  # with a window, the segments before its first key's were not written
+            tl.cdiv(seq_len, SEG_TILES * TILE_N),
+            GROUP,
+            GROUP_P2,
+            HEAD_DIM,
+            DIM_PAD,
+            MERGE_SEGS,
+        )
+
 
 @triton.jit
-def _combine_segments_kernel(
-    out_ptr,  # [R, H, D]
-    part_ptr,  # [S_cap, H, DIM_PAD] fp32
-    max_ptr,  # [S_cap, H] fp32
+def _merge_segments(
+    out_row_ptr,  # the request's output row [H, D]
+    part_ptr,
+    max_ptr,
     sum_ptr,
-    seq_lens_ptr,  # [R] int32
-    first_seg_ptr,  # [R] int32
-    stride_ot,
+    first_slot,  # the request's first partial slot
+    head0,  # the KV head's first query head
+    num_heads,
     stride_oh,
-    window,
-    NUM_HEADS: tl.constexpr,
+    seg_lo,
+    num_segs,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
-    SEG_KEYS: tl.constexpr,
-    SEG_CHUNK: tl.constexpr,  # segments loaded at once (a power of 2)
+    MERGE_SEGS: tl.constexpr,
 ):
-    # One program per (request, head): its segments merged in order, SEG_CHUNK of them per pass (one pass for
-    # contexts up to SEG_CHUNK segments, all loads in flight together).
-    req = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + req)
-    num_segs = tl.cdiv(seq_len, SEG_KEYS)
-    # With a window, the segments before the one holding its first key were not written.
-    seg_lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0) // SEG_KEYS
-    first = tl.load(first_seg_ptr + req).to(tl.int64)
-    offs = tl.arange(0, SEG_CHUNK)
+    """The GQA group's outputs from its segments' partials, MERGE_SEGS segments' loads in flight at a time (one
+    round trip for contexts up to MERGE_SEGS segments), merged in segment order."""
+    rows = tl.arange(0, GROUP_P2)
+    row_valid = rows < GROUP
     dims = tl.arange(0, DIM_PAD)
-    m_run = float("-inf")
-    denom = 0.0
-    acc = tl.zeros([DIM_PAD], tl.float32)
-    for c in range(seg_lo, num_segs, SEG_CHUNK):
-        valid = c + offs < num_segs
-        stat = (first + c + offs) * NUM_HEADS + head
-        m = tl.load(max_ptr + stat, mask=valid, other=float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(m, 0))  # finite: every segment holds a key
+    offs = tl.arange(0, MERGE_SEGS)
+    m_run = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    denom = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, DIM_PAD], tl.float32)
+    for c in range(seg_lo, num_segs, MERGE_SEGS):
+        valid = (c + offs < num_segs)[:, None] & row_valid[None, :]  # [MERGE_SEGS, GROUP_P2]
+        stat = (first_slot + c + offs)[:, None] * num_heads + head0 + rows[None, :]
+        m = tl.load(max_ptr + stat, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        l_seg = tl.load(sum_ptr + stat, mask=valid, other=0.0, cache_modifier=".cg")
+        part = tl.load(
+            part_ptr + stat[:, :, None] * DIM_PAD + dims[None, None, :],
+            mask=valid[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [MERGE_SEGS, GROUP_P2, DIM_PAD]
+        m_new = tl.maximum(m_run, tl.max(m, 0))  # finite on valid rows: every segment holds a key
         a = tl.exp2(m_run - m_new)
-        w = tl.where(valid, tl.exp2(m - m_new), 0.0)
-        denom = denom * a + tl.sum(tl.load(sum_ptr + stat, mask=valid, other=0.0) * w, 0)
-        part = tl.load(part_ptr + stat[:, None] * DIM_PAD + dims[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * a + tl.sum(part * w[:, None], 0)
+        w = tl.where(valid, tl.exp2(m - m_new[None, :]), 0.0)
+        denom = denom * a + tl.sum(l_seg * w, 0)
+        acc = acc * a[:, None] + tl.sum(part * w[:, :, None], 0)
         m_run = m_new
     # A padding row (no keys, no segments) gets 0 rather than 0 / 0.
-    out = acc / tl.where(denom == 0.0, 1.0, denom)
+    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     tl.store(
-        out_ptr + req * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM
+        out_row_ptr + (head0 + rows)[:, None] * stride_oh + dims[None, :],
+        out.to(out_row_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :],
     )
 
 
@@ -240,6 +284,7 @@ def decode_attention(
     config: DecodeConfig,
     window: int = 0,
     alibi_slopes: torch.Tensor | None = None,
+    arrived: torch.Tensor | None = None,  # [>= R * Hkv] int32 zeros, left zero (made here when None)
 ) -> torch.Tensor:
     """Attention of each request's single query token over its keys (this step's K/V written first), or with
     `window` > 0 over its last `window` keys only; `alibi_slopes` ([H] fp32): head h's score of key position k
@@ -258,19 +303,27 @@ def decode_attention(
     on_gpu = q.device.type == "cuda"
     launch = {"num_warps": config.num_warps, "num_stages": config.num_stages} if on_gpu else {}
     programs_per_req = triton.cdiv(max_segments, segs_per_program)
+    if arrived is None:
+        arrived = torch.zeros(num_reqs * num_kv_heads, dtype=torch.int32, device=q.device)
+    assert arrived.numel() >= num_reqs * num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
     _decode_segments_kernel[(num_reqs * programs_per_req, num_kv_heads)](
         q,
         key_cache,
         value_cache,
+        out,
         partial,
         max_buf,
         sum_buf,
+        arrived,
         block_table,
         seq_lens,
         first_seg,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
+        out.stride(0),
+        out.stride(1),
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
@@ -280,7 +333,10 @@ def decode_attention(
         window,
         alibi_slopes if alibi_slopes is not None else max_buf,
         GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_PAD=max(16, group_p2),
+        GROUP_P2=group_p2,
+        # ~4K fp32 of partials loaded at once (8 segments of a 4-head group of 128 dims)
+        MERGE_SEGS=config.merge_segs or max(1, min(16, 4096 // (group_p2 * dim_pad))),
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
         BLOCK_SIZE=key_cache.shape[1],
@@ -291,21 +347,5 @@ def decode_attention(
         UPCAST=not on_gpu,  # the interpreter's tl.dot mishandles bf16 and fp16
         ALIBI=alibi_slopes is not None,
         **launch,
-    )
-    _combine_segments_kernel[(num_reqs, num_heads)](
-        out,
-        partial,
-        max_buf,
-        sum_buf,
-        seq_lens,
-        first_seg,
-        out.stride(0),
-        out.stride(1),
-        window,
-        NUM_HEADS=num_heads,
-        HEAD_DIM=head_dim,
-        DIM_PAD=dim_pad,
-        SEG_KEYS=config.segment,
-        SEG_CHUNK=16,
     )
     return out

@@ -132,18 +132,23 @@ def _rotary_kernel(
     first = x_ptr + t * stride_x + heads[:, None] * (2 * HALF) + d[None, :]
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    out1, out2 = rotate_half(x1, x2, cos, sin)
+    tl.store(first, out1, mask=mask)
+    tl.store(first + HALF, out2, mask=mask)
+
+
+@triton.jit
+def rotate_half(x1, x2, cos, sin):
+    """(x1 * cos - x2 * sin, x2 * cos + x1 * sin) in x's half type, cos/sin fp32: each product rounded, then the
+    sum, as the native path on half tensors does. (Rounding named: the interpreter's default cast to bf16
+    truncates, the GPU's rounds to nearest even.) Launch with enable_fp_fusion=False (see rotary_)."""
     dt = x1.dtype
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    # Each product rounded, then the sum: the native path's x1 * cos - x2 * sin on half tensors. (Rounding named:
-    # the interpreter's default cast to bf16 truncates, the GPU's rounds to nearest even.)
     x1c = (x1f * cos).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
     x2s = (x2f * sin).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
     x2c = (x2f * cos).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
     x1s = (x1f * sin).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
-    out1 = (x1c - x2s).to(dt, fp_downcast_rounding="rtne")
-    out2 = (x2c + x1s).to(dt, fp_downcast_rounding="rtne")
-    tl.store(first, out1, mask=mask)
-    tl.store(first + HALF, out2, mask=mask)
+    return (x1c - x2s).to(dt, fp_downcast_rounding="rtne"), (x2c + x1s).to(dt, fp_downcast_rounding="rtne")
 
 
 def rotary_(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:

@@ -89,13 +89,19 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             # Qwen3: per-head RMSNorm of q and k before RoPE, in place so RoPE can rotate them in place.
             self.qk_norm_op(qkv, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
-        self.rotary.rotate_(positions, qkv[:, :qk_size], self.num_heads + self.num_kv_heads)
+        # The backend may rotate and write the new K/V in one launch (not with fp8 key centering in between).
+        written = self.k_offset is None and self.backend.rotate_and_write(
+            self.rotary, positions, qkv, self.num_heads, self.num_kv_heads, kv_cache, attn_metadata
+        )
+        if not written:
+            self.rotary.rotate_(positions, qkv[:, :qk_size], self.num_heads + self.num_kv_heads)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.k_offset is not None:
             k.sub_(self.k_offset.view(self.num_kv_heads, self.head_dim))
-        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
+        extra: dict[str, Any] = {"kv_written": True} if written else {}
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window, **extra)
         return self.o_proj(out)
 
 

@@ -440,6 +440,8 @@ def test_segment_decode_is_batch_invariant():
         out = backend.forward(q, q[:, :2], q[:, :2], kv, md, 0.125)
         assert torch.equal(out[:3], mixed[:3]), per_program
         assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+        # The last program of each (request, KV head) merged its segments and left the counts at zero.
+        assert not backend._arrived.any()
 
 
 def test_metadata_parts_start_on_16_bytes():
@@ -459,3 +461,44 @@ def test_decode_graph_work_capacity_is_bounded_by_the_pool():
     assert full.max_slots == 64 * 8
     small_pool = backend.alloc_decode_buffers(max_reqs=64, width=128, block_size=16, num_kv_blocks=100)
     assert small_pool.max_slots == 64 + 100 * 16 // 256 + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4), (6, 1)])
+def test_rotary_write_kv_equals_rotary_then_write(dtype, num_heads, num_kv_heads):
+    """The fused launch leaves qkv and both caches bit for bit as rotary_ followed by write_kv do (slot -1 writes
+    nothing; rows of a stride wider than the row)."""
+    from kvserve.kernels.triton_ops import rotary_
+
+    torch.manual_seed(num_heads * 10 + num_kv_heads)
+    t, d, nb, bs = 5, 64, 6, 16
+    total = num_heads + 2 * num_kv_heads
+    wide = torch.randn(t, total * d + 8, device=DEVICE).to(dtype)
+    positions = torch.tensor([0, 3, 17, 100, 5], device=DEVICE)
+    angles = torch.outer(torch.arange(128, dtype=torch.float32), 1.0 / (10000 ** (torch.arange(0, d, 2) / d)))
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    slots = torch.tensor([3, -1, 40, 17, 95], device=DEVICE)
+    caches = [torch.randn(nb, bs, num_kv_heads, d, device=DEVICE).to(dtype) for _ in range(2)]
+    ref_qkv, ref_k, ref_v = wide.clone(), caches[0].clone(), caches[1].clone()
+    qkv_ref = ref_qkv[:, : total * d]
+    rotary_(positions, qkv_ref[:, : (num_heads + num_kv_heads) * d], cos, sin, num_heads + num_kv_heads)
+    kv = qkv_ref[:, num_heads * d :].view(t, 2 * num_kv_heads, d)
+    triton_kernels.write_kv(kv[:, :num_kv_heads], kv[:, num_kv_heads:], ref_k, ref_v, slots)
+    out_qkv, out_k, out_v = wide.clone(), caches[0].clone(), caches[1].clone()
+    triton_kernels.rotary_write_kv(
+        positions, out_qkv[:, : total * d], cos, sin, num_heads, num_kv_heads, out_k, out_v, slots
+    )
+    assert torch.equal(out_qkv, ref_qkv)
+    assert torch.equal(out_k, ref_k) and torch.equal(out_v, ref_v)
+    assert not torch.equal(out_k, caches[0])  # something was written
+
+
+def test_merge_in_chunks_of_segments_matches_reference():
+    """Contexts of up to 7 segments merged 2 segments' partials at a time (the GPU merges up to 8 or 16 at once):
+    the running rescale across chunks."""
+    seqs = [(200, 1), (31, 1), (97, 1)]
+    batch = make_batch(seqs, 8, 2, 64, 16, torch.float32, seed=21)
+    backend = TritonAttentionBackend(8, 2, 64, torch.float32, DEVICE, decode_config=DecodeConfig(32, 16, merge_segs=2))
+    md = backend.build_metadata(batch.inputs)
+    out = backend.forward(batch.q, batch.k_new, batch.v_new, (batch.key_cache, batch.value_cache), md, 64**-0.5)
+    check_against_reference(batch, out, 8, 64, torch.float32)

@@ -198,3 +198,21 @@ def test_gpu_memory_profiling_sizes_the_pool(model_and_references):
     assert 0.35 * total < kv_bytes < 0.5 * total
     check(llm, prompts[:2], refs[:2], rounds=1)
     llm.shutdown()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the rotary + KV write launch is GPU-only (half types)")
+def test_rotary_write_launch_changes_no_token(tiny_model_factory, monkeypatch):
+    """bf16 on the GPU: rotary and the KV write in one launch give the tokens of the two launches, batched and
+    at batch 1 (a decode graph)."""
+    path = tiny_model_factory(MODEL)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i for i in range(n)]} for n in (3, 40)]
+    outs = {}
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("KVSERVE_FUSE_ROTARY_WRITE", fuse)
+        llm = LLM(path, dtype="bfloat16", max_model_len=256, device=DEVICE, kv_cache_memory=1 << 30)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        got.append(llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids)
+        outs[fuse] = got
+        llm.shutdown()
+    assert outs["1"] == outs["0"]
