@@ -102,6 +102,15 @@ class KVCacheManager:
         may arrive by a KV connector load, so they join the prefix cache only once the load is reported done
         (`cache_blocks`, or the request's next allocation).
         """
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is not None and not new_computed_blocks and self.sliding_window is None:
+            # A running request whose table already holds the new slots (a decode: 15 steps of 16 with blocks of
+            # 16): nothing to take from the pool. Kept lean: it runs for every running request every step.
+            num_total = request.num_computed_tokens + num_new_tokens
+            if num_total + num_lookahead_tokens <= len(blocks) * self.block_size:
+                if not delay_caching:
+                    self.cache_blocks(request, num_total)
+                return []
         new_computed_blocks = new_computed_blocks or []
         self._release_skipped(request)
         blocks = self.req_to_blocks.get(request.request_id, [])
