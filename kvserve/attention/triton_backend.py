@@ -116,9 +116,11 @@ class TritonAttentionBackend(AttentionBackend):
         # False: decode rows go through the prefill kernel as before the segment kernel (benchmarks compare).
         self.segment_decode = True
         # The segment kernel's per-(request, KV head) counts, zero between launches; every layer's launch reuses
-        # them (launches on one stream run one after the other). Grown outside graph capture only: the decode
-        # graphs' buffers size it for their largest batch first.
+        # them (launches on one stream run one after the other). The decode graphs' buffers size them for their
+        # largest batch before capture; a larger eager batch gets a larger tensor, and the captured graphs keep
+        # the one they hold (`_arrived_kept`: never freed under them).
         self._arrived = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self._arrived_kept: list[torch.Tensor] = []
         # rotate_and_write on the GPU: rotary and the KV write in one launch (False: two, as before; A/B runs).
         self.fuse_rotary_write = os.environ.get("KVSERVE_FUSE_ROTARY_WRITE") != "0"
 
@@ -305,6 +307,7 @@ class TritonAttentionBackend(AttentionBackend):
     def _arrived_for(self, num_reqs: int) -> torch.Tensor:
         need = num_reqs * self.num_kv_heads
         if self._arrived.numel() < need:
+            self._arrived_kept.append(self._arrived)
             self._arrived = torch.zeros(max(need, 2 * self._arrived.numel()), dtype=torch.int32, device=self.device)
         return self._arrived
 

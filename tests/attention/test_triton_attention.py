@@ -502,3 +502,23 @@ def test_merge_in_chunks_of_segments_matches_reference():
     md = backend.build_metadata(batch.inputs)
     out = backend.forward(batch.q, batch.k_new, batch.v_new, (batch.key_cache, batch.value_cache), md, 64**-0.5)
     check_against_reference(batch, out, 8, 64, torch.float32)
+
+
+def test_larger_eager_batches_keep_the_counts_graphs_hold():
+    """The merge's counts grow for a larger eager batch; the tensor the decode graphs captured stays alive (a
+    graph replay writes to the pointer it captured) and stays zero."""
+    backend = TritonAttentionBackend(8, 2, 64, torch.float32, DEVICE)
+    backend.alloc_decode_buffers(max_reqs=2, width=4, block_size=16)
+    captured = backend._arrived
+    batch = make_batch([(40, 1)] * 5, 8, 2, 64, 16, torch.float32, seed=8)
+    backend.forward(
+        batch.q,
+        batch.k_new,
+        batch.v_new,
+        (batch.key_cache, batch.value_cache),
+        backend.build_metadata(batch.inputs),
+        0.1,
+    )
+    assert backend._arrived is not captured and backend._arrived.numel() >= 5 * 2
+    assert any(t is captured for t in backend._arrived_kept)
+    assert not captured.any() and not backend._arrived.any()
