@@ -29,6 +29,7 @@ _SOURCES = [
         "paged_attention.cpp",
         "paged_attention_packed.cpp",
         "paged_attention_packed_fp8.cpp",
+        "paged_attention_amx.cpp",
         "sampling.cpp",
         "elementwise.cpp",
         "linear.cpp",
@@ -73,10 +74,13 @@ def load_cpu_kernels() -> ModuleType | None:
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-        # The bf16 and int8 panels run on AMX tiles where the CPU has them; KVSERVE_CPU_AMX=0 keeps the vector
-        # kernels (A/B runs).
-        if os.environ.get("KVSERVE_CPU_AMX", "1") == "0":
+        # The bf16 and int8 panels and bf16 attention run on AMX tiles where the CPU has them; for A/B runs
+        # KVSERVE_CPU_AMX=0 keeps the vector kernels, KVSERVE_CPU_AMX=linears keeps attention on the vectors.
+        amx = os.environ.get("KVSERVE_CPU_AMX", "1")
+        if amx == "0":
             kernels.linear_amx_set_enabled(False)
+        if amx in ("0", "linears"):
+            kernels.attention_amx_set_enabled(False)
         return kernels
     except Exception as e:  # no compiler, no ninja, unsupported platform
         logger.warning("CPU kernels unavailable (%s); using the slower pure-torch paths", e)

@@ -50,3 +50,55 @@ def test_decode_kernel_matches_reference(dtype, atol, num_heads, num_kv_heads, h
         keys = k_cache[ids].reshape(-1, num_kv_heads, head_dim)[:n]
         values = v_cache[ids].reshape(-1, num_kv_heads, head_dim)[:n]
         torch.testing.assert_close(out[i].float(), reference(q[i], keys, values, scale), atol=atol, rtol=atol)
+
+
+AMX_ATTENTION = K.attention_amx_active()
+
+
+@pytest.mark.skipif(not AMX_ATTENTION, reason="no AMX-BF16 on this CPU (or Linux refused the tile registers)")
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 8), (8, 1)])
+@pytest.mark.parametrize("variant", ["plain", "window", "alibi", "tree"])
+def test_amx_attention_rows_do_not_depend_on_their_group(num_heads, num_kv_heads, variant):
+    """The pair-packed kernel on AMX tiles (paged_attention_amx.cpp): one request's 40-token chunk (grouped 16
+    tokens at a time, the last group partial), decodes of other requests and a row of the same request alone give
+    each row bitwise the output it gets alone or in any other split, and agree with the vector kernel to bf16's
+    precision. Where AMX is absent the vector kernel runs for everything and this does not apply."""
+    from kvserve.attention.cpu_kernels import pack_kv_blocks
+
+    torch.manual_seed(0)
+    hd, bs, num_blocks = 64, 16, 80
+    kc = torch.randn(num_blocks, bs, num_kv_heads, hd).to(torch.bfloat16)
+    vc = torch.randn(num_blocks, bs, num_kv_heads, hd).to(torch.bfloat16)
+    pk, pv = pack_kv_blocks(kc, vc)
+    perm = torch.randperm(num_blocks).int()
+    chunk = [(perm[:10], 100 + i + 1) for i in range(40)]  # positions 100..139
+    decodes = [(perm[10 + 10 * j : 20 + 10 * j], 31 + 57 * j) for j in range(3)]
+    rows = chunk[:25] + decodes[:2] + chunk[25:] + decodes[2:] + [chunk[7]]
+    table = torch.stack([t for t, _ in rows]).contiguous()
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int64)
+    q = torch.randn(len(rows), num_heads, hd).to(torch.bfloat16)
+    window = 37 if variant == "window" else 0
+    alibi = torch.rand(num_heads) * 0.2 if variant == "alibi" else None
+    hidden = None
+    if variant == "tree":  # the chunk's last 8 rows as a tree: each hides a few of its 8 predecessors
+        words = np.zeros(len(rows), dtype=np.int64)
+        words[20:25] = [0b10, 0b110, 0b1010, 0b10100, 0b1]
+        hidden = torch.from_numpy(words)
+
+    def attend(a, b):
+        h = None if hidden is None else hidden[a:b].contiguous()
+        return K.paged_attention_packed(
+            q[a:b].contiguous(), pk, pv, table[a:b].contiguous(), lens[a:b].contiguous(), hd**-0.5, window, alibi, h
+        )
+
+    whole = attend(0, len(rows))
+    for s in range(len(rows)):
+        assert torch.equal(attend(s, s + 1), whole[s : s + 1]), f"row {s} alone"
+    splits = [(0, 7), (7, 23), (23, 30), (30, len(rows))]
+    assert torch.equal(torch.cat([attend(a, b) for a, b in splits]), whole)
+    was = K.attention_amx_set_enabled(False)
+    try:
+        vectors = attend(0, len(rows))
+    finally:
+        K.attention_amx_set_enabled(was)
+    torch.testing.assert_close(whole.float(), vectors.float(), atol=1e-2, rtol=1e-2)

@@ -1,7 +1,8 @@
 // What the AMX tile paths share (linear_bf16.cpp: bf16 pairs with tdpbf16ps; int8_linear.cpp: int8 quads with
-// tdpbusd): whether the CPU and Linux allow them, the on/off switch, and the tile configuration. kvserve's panel
-// layouts already are AMX's B-tile format (a 64-byte tile row = 16 output channels x one k pair or quad), so both
-// paths load tiles straight from the panels; see those files.
+// tdpbusd; paged_attention_amx.cpp: the pair-packed KV cache): whether the CPU and Linux allow them, the on/off
+// switches, and the linears' tile configurations. kvserve's panel layouts already are AMX's B-tile format (a 64-byte
+// tile row = 16 output channels x one k pair or quad), so the linears load tiles straight from the panels; see
+// those files.
 #pragma once
 
 #if defined(__x86_64__)
@@ -49,6 +50,18 @@ inline bool usable(int feature_bit) {
 }
 
 inline bool active(int feature_bit) { return wanted().load(std::memory_order_relaxed) && usable(feature_bit); }
+
+// Attention on tiles (paged_attention_amx.cpp) has its own switch, for A/B runs of attention alone; a process sets
+// it before its first attention call and keeps it (the tiles' bits are not the vectors').
+inline std::atomic<bool>& attention_wanted() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+inline bool attention_active() {
+  return wanted().load(std::memory_order_relaxed) && attention_wanted().load(std::memory_order_relaxed) &&
+         usable(kBf16);
+}
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;

@@ -22,6 +22,8 @@ bool linear_bf16_pairs_supported();
 bool linear_bf16_amx_active();
 bool int8_linear_amx_active();
 bool linear_amx_set_enabled(bool on);
+bool attention_amx_active();
+bool attention_amx_set_enabled(bool on);
 at::Tensor pack_linear_weight_bf16_pairs(at::Tensor w);
 at::Tensor linear_bf16_pairs(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
@@ -73,6 +75,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_amx_active", &linear_bf16_amx_active, "whether the bf16 pair panels run on AMX tiles");
   m.def("int8_linear_amx_active", &int8_linear_amx_active, "whether batched int8 rows run on AMX tiles");
   m.def("linear_amx_set_enabled", &linear_amx_set_enabled, "turn the AMX tile paths (bf16, int8) on or off",
+        py::arg("on"));
+  m.def("attention_amx_active", &attention_amx_active, "whether the pair-packed bf16 attention runs on AMX tiles");
+  m.def("attention_amx_set_enabled", &attention_amx_set_enabled,
+        "turn attention's AMX tile path on or off (before the first call of a process: the bits differ)",
         py::arg("on"));
   m.def("pack_linear_weight_bf16_pairs", &pack_linear_weight_bf16_pairs,
         "w [N, K] bf16 -> pair panels [P, K / 2, panel width, 2]");

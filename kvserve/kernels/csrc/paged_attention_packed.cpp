@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 
+#include "amx.h"
 #include "attention_common.h"
 #include "packed_decode.h"
 
@@ -18,6 +19,17 @@ void paged_attention_packed_fp8(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out,
                                 const kvserve::PagedShape& p, float scale, int64_t window, const float* alibi,
                                 const int64_t* hidden);
+
+// The tile path (paged_attention_amx.cpp): bf16 caches of head size 64 where AMX-BF16 is usable.
+bool packed_attention_amx_supported(int64_t head_dim, int64_t group, int64_t block_size);
+void paged_attention_packed_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out,
+                                const kvserve::PagedShape& p, float scale, int64_t window, const float* alibi,
+                                const int64_t* hidden);
+
+bool attention_amx_active() { return packed_attention_amx_supported(64, 1, 16); }
+
+bool attention_amx_set_enabled(bool on) { return kvserve::amx::attention_wanted().exchange(on); }
 
 // Whether this build runs the packed kernel for these shapes and cache type: blocks of whole 16-token tiles, and for
 // fp8 (`fp8`) head sizes of whole 32-dim chunks on a CPU with AVX512-VBMI (the widening's byte tables).
@@ -49,6 +61,11 @@ at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v
   auto out = at::empty_like(q);
   if (fp8) {
     paged_attention_packed_fp8(q, k_cache, v_cache, block_table, seq_lens, out, p, static_cast<float>(scale), window,
+                               alibi, hidden);
+    return out;
+  }
+  if (packed_attention_amx_supported(p.head_dim, p.group(), p.block_size)) {
+    paged_attention_packed_amx(q, k_cache, v_cache, block_table, seq_lens, out, p, static_cast<float>(scale), window,
                                alibi, hidden);
     return out;
   }
