@@ -114,8 +114,9 @@ class Request:
 
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        if self.num_tokens % self.block_size == 0:
+        all_token_ids = self.all_token_ids
+        all_token_ids.append(token_id)
+        if len(all_token_ids) % self.block_size == 0:
             self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:

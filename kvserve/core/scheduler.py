@@ -416,13 +416,20 @@ class Scheduler:
         outputs, self._early_outputs = self._early_outputs, []
         logprobs = runner_output.logprobs
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
-        step_requests = self._step_requests.pop(scheduler_output.step_id, {})
+        step_requests = self._step_requests.pop(scheduler_output.step_id, None)
+        requests, sampled = self.requests, runner_output.sampled_token_ids
+        # NOTE: this loop runs once per request per step (a GPU step at batch 256 waits on it): locals, and the
+        # one-token case without drafts or grammar kept to a few attribute reads.
         for idx, req_id in enumerate(runner_output.req_ids):
-            token_ids = runner_output.sampled_token_ids[idx]
+            token_ids = sampled[idx]
             if not token_ids:
                 continue
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished or step_requests.get(req_id, request) is not request:
+            request = requests.get(req_id)
+            if (
+                request is None
+                or request.status > RequestStatus.PREEMPTED  # finished
+                or (step_requests is not None and step_requests.get(req_id, request) is not request)
+            ):
                 # Aborted while the step ran, and maybe its id taken by a new request since (async). A failed
                 # synchronous load has no tokens.
                 continue
@@ -431,33 +438,38 @@ class Scheduler:
                 request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             was_running = request.status == RequestStatus.RUNNING
             was_swapped = request.status == RequestStatus.SWAPPED
-            drafts = spec_scheduled.get(req_id)
+            drafts = spec_scheduled.get(req_id) if spec_scheduled else None
             if drafts:
                 num_accepted = len(token_ids) - 1
                 # The rejected drafts' KV slots are garbage now; later steps overwrite them.
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self._record_drafts(request, len(drafts), num_accepted)
-            new_token_ids: list[int] = []
             grammar_completed = False
-            for token_id in token_ids:
-                request.append_output_token_id(token_id)
-                new_token_ids.append(token_id)
-                if self._check_stop(request):
-                    break
-                if request.grammar is not None and self._grammar_ends(request):
-                    grammar_completed = request.status == RequestStatus.FINISHED_STOPPED
-                    break
+            if len(token_ids) == 1 and request.grammar is None:
+                request.append_output_token_id(token_ids[0])
+                self._check_stop(request)
+                new_token_ids = token_ids
+            else:
+                new_token_ids = []
+                for token_id in token_ids:
+                    request.append_output_token_id(token_id)
+                    new_token_ids.append(token_id)
+                    if self._check_stop(request):
+                        break
+                    if request.grammar is not None and self._grammar_ends(request):
+                        grammar_completed = request.status == RequestStatus.FINISHED_STOPPED
+                        break
             output = EngineCoreOutput(
-                request_id=req_id,
-                new_token_ids=new_token_ids,
-                new_logprobs=logprobs[idx][: len(new_token_ids)] if logprobs and logprobs[idx] else None,
+                req_id,
+                new_token_ids,
+                logprobs[idx][: len(new_token_ids)] if logprobs and logprobs[idx] else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 grammar_completed=grammar_completed,
             )
             if not request.has_reported:
                 output.first_scheduled_time = request.first_scheduled_time
                 request.has_reported = True
-            if request.is_finished:
+            if request.status > RequestStatus.PREEMPTED:  # finished by this step's tokens
                 output.finish_reason = request.status.finish_reason
                 output.stop_reason = request.stop_reason
                 if was_running:
@@ -476,13 +488,16 @@ class Scheduler:
         return outputs
 
     def _check_stop(self, request: Request) -> bool:
-        if self._length_reached(request, 0):
+        output_token_ids = request.output_token_ids
+        num_output = len(output_token_ids)
+        # _length_reached(request, 0), inline: once per request per step.
+        if num_output >= request.max_tokens or len(request.all_token_ids) >= self.config.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
+        if num_output < params.min_tokens:
             return False
-        last = request.output_token_ids[-1]
+        last = output_token_ids[-1]
         if not params.ignore_eos and last in request.eos_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             return True

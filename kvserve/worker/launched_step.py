@@ -44,14 +44,21 @@ def write_tokens(launched: LaunchedStep, batch: InputBatch, sampled_lists: list,
     step = launched.step
     sample_idx = step.sample_idx.tolist()
     if launched.positions is not None:  # one token each, counted in its row at launch
-        tokens = launched.host.numpy().tolist()
+        tokens_np = launched.host.numpy()
+        tokens = tokens_np.tolist()
+        # Async: a request finished or preempted since has left its row (maybe to another request). The rows
+        # still held are written at once (a per-request numpy write costs as much as the rest of this loop).
+        held, rows = [], []
+        states, live = launched.states, batch.states
         for j, i in enumerate(sample_idx):
-            state = launched.states[j]
-            # Async: a request finished or preempted since has left its row (maybe to another request).
-            if batch.states.get(state.req_id) is state:
-                batch.token_ids[state.row, launched.positions[j]] = tokens[j]
-                batch.pending[state.row] = -1
+            state = states[j]
+            if live.get(state.req_id) is state:
+                held.append(j)
+                rows.append(state.row)
             sampled_lists[i] = [tokens[j]]
+        if held:
+            batch.token_ids[rows, launched.positions[held]] = tokens_np[held]
+            batch.pending[rows] = -1
         num_out = np.ones(len(sample_idx), dtype=np.int64)
     else:  # a verification step (synchronous): the accepted drafts and one more token each
         assert launched.num_out is not None
