@@ -56,17 +56,17 @@ AMX_ATTENTION = K.attention_amx_active()
 
 
 @pytest.mark.skipif(not AMX_ATTENTION, reason="no AMX-BF16 on this CPU (or Linux refused the tile registers)")
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 8), (8, 1)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,hd", [(9, 3, 64), (8, 8, 64), (8, 1, 64), (16, 4, 128)])
 @pytest.mark.parametrize("variant", ["plain", "window", "alibi", "tree"])
-def test_amx_attention_rows_do_not_depend_on_their_group(num_heads, num_kv_heads, variant):
+def test_amx_attention_rows_do_not_depend_on_their_group(num_heads, num_kv_heads, hd, variant):
     """The pair-packed kernel on AMX tiles (paged_attention_amx.cpp): one request's 40-token chunk (grouped 16
-    tokens at a time, the last group partial), decodes of other requests and a row of the same request alone give
-    each row bitwise the output it gets alone or in any other split, and agree with the vector kernel to bf16's
-    precision. Where AMX is absent the vector kernel runs for everything and this does not apply."""
+    tokens at a time, the last group partial; 128-dim heads in two passes), decodes of other requests and a row of
+    the same request alone give each row bitwise the output it gets alone or in any other split, and agree with the
+    vector kernel to bf16's precision. Where AMX is absent the vector kernel runs for everything: nothing to test."""
     from kvserve.attention.cpu_kernels import pack_kv_blocks
 
     torch.manual_seed(0)
-    hd, bs, num_blocks = 64, 16, 80
+    bs, num_blocks = 16, 80
     kc = torch.randn(num_blocks, bs, num_kv_heads, hd).to(torch.bfloat16)
     vc = torch.randn(num_blocks, bs, num_kv_heads, hd).to(torch.bfloat16)
     pk, pv = pack_kv_blocks(kc, vc)

@@ -36,12 +36,11 @@ namespace {
 
 using namespace kvserve;
 
-constexpr int kHD = 64;             // head size of the tile path: 4 accumulator tiles of 16 dims
+constexpr int kMaxHD = 128;         // head sizes of the tile path: 64 and 128
+constexpr int kSlice = 64;          // output dims per pass over the keys: 4 accumulator tiles of 16
 constexpr int kMaxGroup = 16;       // query tokens per group
 constexpr int kRows = amx::kTileRows;
-constexpr int kNC = kHD / 16;       // accumulator tiles
-static_assert(kNC == 4, "store_acc, load_acc and the p.v products name four accumulator tiles");
-constexpr int kKSteps = kHD / 16;   // q.k steps of 8 dim pairs (the K tile's 8 rows: its shape is V's)
+static_assert(kSlice / 16 == 4, "store_acc, load_acc and the p.v products name four accumulator tiles");
 constexpr int kPrefetchKeys = 32;   // how far ahead the cache is fetched
 
 // Tiles: 0 scores [rows][16 keys] fp32; 1 A operand [rows][32 B] (q's 16 dims of a step, or the rows' 16
@@ -91,10 +90,10 @@ std::vector<Group> group_rows(const int64_t* seq_lens, const int32_t* table, int
 
 // Per thread: the group's q rows as tile rows, and one row tile's softmax state.
 struct Scratch {
-  alignas(64) uint16_t q[kMaxGroup * 8 * kHD];  // [token][query head of the kv head][dim] bf16; G <= 8
+  alignas(64) uint16_t q[kMaxGroup * 8 * kMaxHD];  // [token][query head of the kv head][dim] bf16; G <= 8
   alignas(64) float scores[kRows * 16];
   alignas(64) uint16_t p[kRows * 16];  // probabilities, bf16
-  alignas(64) float acc[kRows * kHD];
+  alignas(64) float acc[kRows * kSlice];
   alignas(64) float lsum[kRows * 16];  // lane-wise sums, reduced at the end
   float m[kRows];
   float rescale[kRows];
@@ -116,45 +115,49 @@ struct Prefetch {
   }
 };
 
+template <int HD>
 inline Prefetch prefetch_for(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* table, int64_t key0,
                              int64_t len_max, int64_t block_size, int64_t block_elems, int64_t head_off) {
   if (key0 >= len_max) return {};
   const int64_t block = table[key0 / block_size], t0 = key0 % block_size;
   return {reinterpret_cast<const char*>(k_cache + block * block_elems + head_off + t0 * 2),
-          reinterpret_cast<const char*>(v_cache + block * block_elems + head_off + (t0 / 2) * kHD * 2),
+          reinterpret_cast<const char*>(v_cache + block * block_elems + head_off + (t0 / 2) * HD * 2),
           block_size * 4};
 }
 
 __attribute__((target("amx-tile"))) inline void store_acc(float* acc) {
-  _tile_stored(4, acc, kHD * 4);
-  _tile_stored(5, acc + 16, kHD * 4);
-  _tile_stored(6, acc + 32, kHD * 4);
-  _tile_stored(7, acc + 48, kHD * 4);
+  _tile_stored(4, acc, kSlice * 4);
+  _tile_stored(5, acc + 16, kSlice * 4);
+  _tile_stored(6, acc + 32, kSlice * 4);
+  _tile_stored(7, acc + 48, kSlice * 4);
 }
 
 __attribute__((target("amx-tile"))) inline void load_acc(const float* acc) {
-  _tile_loadd(4, acc, kHD * 4);
-  _tile_loadd(5, acc + 16, kHD * 4);
-  _tile_loadd(6, acc + 32, kHD * 4);
-  _tile_loadd(7, acc + 48, kHD * 4);
+  _tile_loadd(4, acc, kSlice * 4);
+  _tile_loadd(5, acc + 16, kSlice * 4);
+  _tile_loadd(6, acc + 32, kSlice * 4);
+  _tile_loadd(7, acc + 48, kSlice * 4);
 }
 
-// One row tile of a (group, kv head) task: rows r0 .. r0 + rows - 1 of the group's n * G, row r being token r / G
-// (length len0 + r / G) and query head h * G + r % G. `configured`: the thread's configured row count.
-template <int G, bool ALIBI>
+// One row tile of a (group, kv head) task, output dims [slice * 64, slice * 64 + 64): rows r0 .. r0 + rows - 1 of
+// the group's n * G, row r being token r / G (length len0 + r / G) and query head h * G + r % G. A head of 128 dims
+// takes two passes over the keys, one per slice, each computing the same scores and softmax (the same steps give
+// the same bits), since the accumulators of 128 dims would need 8 tiles. `configured`: the thread's configured
+// row count.
+template <int HD, int G, bool ALIBI>
 __attribute__((target("amx-tile,amx-bf16"))) void row_tile(Scratch& w, const uint16_t* k_cache,
                                                            const uint16_t* v_cache, const int32_t* table,
                                                            const PagedShape& shape, int64_t h, int64_t len0,
                                                            int r0, int rows, int64_t window, const float* alibi,
                                                            const uint64_t* hid, float scale, at::BFloat16* out,
-                                                           int64_t out_row0, int& configured) {
+                                                           int64_t out_row0, int slice, int& configured) {
   if (rows != configured) {
     const amx::TileConfig cfg = attention_tile_config(rows);
     _tile_loadconfig(&cfg);
     configured = rows;
   }
   const int64_t block_size = shape.block_size;
-  const int64_t tile = kHD * block_size, block_elems = shape.num_kv_heads * tile;
+  const int64_t tile = HD * block_size, block_elems = shape.num_kv_heads * tile;
   const int i_first = r0 / G, i_last = (r0 + rows - 1) / G;
   const int64_t lo_min = window_start(len0 + i_first, window), len_max = len0 + i_last;
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -168,7 +171,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void row_tile(Scratch& w, const uin
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
-  const uint16_t* qa = w.q + r0 * kHD;
+  const uint16_t* qa = w.q + r0 * HD;
   for (int64_t key0 = lo_min / 16 * 16; key0 < len_max; key0 += 16) {
     __mmask16 valid[kRows];
     bool any = false;
@@ -182,17 +185,17 @@ __attribute__((target("amx-tile,amx-bf16"))) void row_tile(Scratch& w, const uin
     const int64_t block = table[key0 / block_size], t0 = key0 % block_size;
     const uint16_t* kt = k_cache + block * block_elems + h * tile;
     const uint16_t* vt = v_cache + block * block_elems + h * tile;
-    const Prefetch pf = prefetch_for(k_cache, v_cache, table, key0 + kPrefetchKeys, len_max, block_size, block_elems,
+    const Prefetch pf = prefetch_for<HD>(k_cache, v_cache, table, key0 + kPrefetchKeys, len_max, block_size, block_elems,
                                      h * tile);
     // q.k: 8 dim pairs a step; the K tile's rows are dim pairs, block_size * 4 bytes apart.
     _tile_zero(0);
-    for (int ks = 0; ks < kKSteps; ks += 2) {
+    for (int ks = 0; ks < HD / 16; ks += 2) {
       pf.k_lines(ks * 8);
       pf.k_lines(ks * 8 + 8);
-      _tile_loadd(1, qa + ks * 16, kHD * 2);
+      _tile_loadd(1, qa + ks * 16, HD * 2);
       _tile_loadd(2, kt + (ks * 8 * block_size + t0) * 2, block_size * 4);
       _tile_dpbf16ps(0, 1, 2);
-      _tile_loadd(1, qa + (ks + 1) * 16, kHD * 2);
+      _tile_loadd(1, qa + (ks + 1) * 16, HD * 2);
       _tile_loadd(3, kt + ((ks + 1) * 8 * block_size + t0) * 2, block_size * 4);
       _tile_dpbf16ps(0, 1, 3);
     }
@@ -225,37 +228,37 @@ __attribute__((target("amx-tile,amx-bf16"))) void row_tile(Scratch& w, const uin
     if (moved) {  // the rows whose max moved scale their sums so far; the others store and reload unchanged
       store_acc(w.acc);
       for (int r = 0; r < rows; ++r)
-        if (w.rescale[r] != 1.f) scale_row(w.acc + r * kHD, w.rescale[r], kHD);
+        if (w.rescale[r] != 1.f) scale_row(w.acc + r * kSlice, w.rescale[r], kSlice);
       load_acc(w.acc);
     }
-    // p.v: the rows' 16 probabilities against 8 token pairs of each 16-dim V slice (rows head_dim * 4 bytes apart).
+    // p.v: the rows' 16 probabilities against 8 token pairs of each 16-dim V column group (rows HD * 4 bytes
+    // apart). The V rows of the sub-tile are HD / 2 lines.
     _tile_loadd(1, w.p, 32);
-    const uint16_t* vrows = vt + (t0 / 2) * kHD * 2;
-    pf.v_lines(0);
-    pf.v_lines(8);
-    _tile_loadd(2, vrows, kHD * 4);  // tile ids are immediates: the four slices are named
+    const uint16_t* vrows = vt + (t0 / 2) * HD * 2 + slice * kSlice * 2;
+    for (int line = 0; line < HD / 4; line += 8) pf.v_lines(line);
+    _tile_loadd(2, vrows, HD * 4);  // tile ids are immediates: the four column groups are named
     _tile_dpbf16ps(4, 1, 2);
-    _tile_loadd(3, vrows + 32, kHD * 4);
+    _tile_loadd(3, vrows + 32, HD * 4);
     _tile_dpbf16ps(5, 1, 3);
-    pf.v_lines(16);
-    pf.v_lines(24);
-    _tile_loadd(2, vrows + 64, kHD * 4);
+    for (int line = HD / 4; line < HD / 2; line += 8) pf.v_lines(line);
+    _tile_loadd(2, vrows + 64, HD * 4);
     _tile_dpbf16ps(6, 1, 2);
-    _tile_loadd(3, vrows + 96, kHD * 4);
+    _tile_loadd(3, vrows + 96, HD * 4);
     _tile_dpbf16ps(7, 1, 3);
   }
   store_acc(w.acc);
   for (int r = 0; r < rows; ++r) {
     const float l = _mm512_reduce_add_ps(_mm512_load_ps(w.lsum + r * 16));
-    scale_row(w.acc + r * kHD, 1.f / l, kHD);
+    scale_row(w.acc + r * kSlice, 1.f / l, kSlice);
     const int i = (r0 + r) / G, g = (r0 + r) % G;
-    store_row(w.acc + r * kHD, out + ((out_row0 + i) * shape.num_heads + h * G + g) * kHD, kHD);
+    store_row(w.acc + r * kSlice, out + ((out_row0 + i) * shape.num_heads + h * G + g) * HD + slice * kSlice,
+              kSlice);
   }
 }
 
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
-template <int G, bool ALIBI>
+template <int HD, int G, bool ALIBI>
 void amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* block_table,
                    const int64_t* seq_lens, at::BFloat16* out, const PagedShape& shape, float scale, int64_t window,
                    const float* alibi, const int64_t* hidden) {
@@ -276,13 +279,14 @@ void amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
       for (int i = 0; i < grp.n; ++i) hid[i] = row_hidden_keys(hidden, grp.first + i);
       for (int64_t h = (task % per_group) * hpt; h < (task % per_group + 1) * hpt; ++h) {
         for (int i = 0; i < grp.n; ++i)
-          std::memcpy(w->q + i * G * kHD, q + ((grp.first + i) * shape.num_heads + h * G) * kHD,
-                      sizeof(uint16_t) * G * kHD);
+          std::memcpy(w->q + i * G * HD, q + ((grp.first + i) * shape.num_heads + h * G) * HD,
+                      sizeof(uint16_t) * G * HD);
         const int rows_total = grp.n * G;
         for (int r0 = 0; r0 < rows_total; r0 += kRows)
-          row_tile<G, ALIBI>(*w, k_cache, v_cache, block_table + grp.first * shape.table_stride, shape, h,
-                             seq_lens[grp.first], r0, std::min(kRows, rows_total - r0), window, alibi, hid, scale,
-                             out, grp.first, configured);
+          for (int slice = 0; slice < HD / kSlice; ++slice)
+            row_tile<HD, G, ALIBI>(*w, k_cache, v_cache, block_table + grp.first * shape.table_stride, shape, h,
+                                   seq_lens[grp.first], r0, std::min(kRows, rows_total - r0), window, alibi, hid,
+                                   scale, out, grp.first, slice, configured);
       }
     }
     if (configured) release_tiles();
@@ -293,28 +297,28 @@ void amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
 
 #endif
 
-// Whether the tile path runs for this shape: AMX-BF16 usable and wanted, head size 64, whole 16-token tiles per
-// block, a GQA group of at most 8.
+// Whether the tile path runs for this shape: AMX-BF16 usable and wanted, head size 64 or 128, whole 16-token tiles
+// per block, a GQA group of at most 8.
 bool packed_attention_amx_supported(int64_t head_dim, int64_t group, int64_t block_size) {
 #if defined(__AVX512BF16__)
-  return kvserve::amx::attention_active() && head_dim == kHD && block_size % 16 == 0 && group <= 8 &&
-         kvserve::with_head_shape(head_dim, group, [](auto, auto) {});
+  return kvserve::amx::attention_active() && (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 &&
+         group <= 8 && kvserve::with_head_shape(head_dim, group, [](auto, auto) {});
 #else
   (void)head_dim, (void)group, (void)block_size;
   return false;
 #endif
 }
 
-// q [S, H, 64] bf16, caches bf16 in the packed layout; as paged_attention_packed (which checks the inputs).
+// q [S, H, 64 or 128] bf16, caches bf16 in the packed layout; as paged_attention_packed (which checks the inputs).
 void paged_attention_packed_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out,
                                 const kvserve::PagedShape& p, float scale, int64_t window, const float* alibi,
                                 const int64_t* hidden) {
 #if defined(__AVX512BF16__)
-  kvserve::with_head_shape(p.head_dim, p.group(), [&](auto, auto g) {
-    constexpr int G = decltype(g)::value;
-    if constexpr (G <= 8) {
-      auto* run = alibi != nullptr ? &amx_attention<G, true> : &amx_attention<G, false>;
+  kvserve::with_head_shape(p.head_dim, p.group(), [&](auto hd, auto g) {
+    constexpr int HD = decltype(hd)::value, G = decltype(g)::value;
+    if constexpr (G <= 8 && (HD == 64 || HD == 128)) {
+      auto* run = alibi != nullptr ? &amx_attention<HD, G, true> : &amx_attention<HD, G, false>;
       run(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
           reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
           reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), block_table.data_ptr<int32_t>(),

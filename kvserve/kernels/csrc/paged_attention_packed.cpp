@@ -20,7 +20,7 @@ void paged_attention_packed_fp8(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const kvserve::PagedShape& p, float scale, int64_t window, const float* alibi,
                                 const int64_t* hidden);
 
-// The tile path (paged_attention_amx.cpp): bf16 caches of head size 64 where AMX-BF16 is usable.
+// The tile path (paged_attention_amx.cpp): bf16 caches of head size 64 or 128 where AMX-BF16 is usable.
 bool packed_attention_amx_supported(int64_t head_dim, int64_t group, int64_t block_size);
 void paged_attention_packed_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out,
