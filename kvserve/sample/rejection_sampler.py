@@ -110,7 +110,7 @@ class RejectionSampler:
         argmax for greedy rows). A draft tree's walk calls this first to pick its path (worker/tree_step.py)."""
         sampler = self.sampler
         logits = sampler.apply_constraints(logits, md)
-        greedy_pick = logits.argmax(dim=-1)  # [N]
+        greedy_pick = sampler.argmax(logits)  # [N]
         if md.all_greedy:
             return TargetDraw(greedy_pick, None, None, greedy_pick)
         transformed = sampler.apply_transforms(logits, md)

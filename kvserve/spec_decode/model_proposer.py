@@ -384,7 +384,7 @@ class ModelProposer(Proposer):
         probs: torch.Tensor | None,  # [S, K, V] filled in place for random rows
     ) -> torch.Tensor:
         """Draw each active request's next draft; returns its full vocabulary ids [A]."""
-        tokens = logits.argmax(dim=-1)
+        tokens = self.sampler.argmax(logits)
         if probs is not None:
             random_rows = np.flatnonzero(~sampling.greedy[active])
             if len(random_rows):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvserve.sample.sampler import (
+    Argmax,
     Sampler,
     SamplingMetadata,
     TopK,
@@ -257,6 +258,26 @@ def test_cpu_topk_breaks_ties_by_the_lower_index(k):
     ref_values, ref_ids = reference_topk(x, k)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(values, ref_values, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 64, 1000, 49152])
+def test_cpu_argmax_is_torchs(vocab):
+    """The greedy pick's kernel against torch.argmax: the first maximum (bf16-rounded rows: many exact ties, also
+    across vector lanes), rows of -inf, a NaN anywhere (the first NaN wins), +inf beside -inf, a single value."""
+    argmax = Argmax()
+    assert argmax.impl == "cpu", "the C++ kernels failed to build"
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(10, vocab, generator=g).to(torch.bfloat16).float()
+    x[1] = 0.5
+    x[2] = -torch.inf
+    x[3, vocab // 2 :] = torch.nan
+    x[4, -1] = torch.nan
+    x[5, vocab // 3] = torch.inf
+    x[5, 0] = -torch.inf
+    x[6, :: max(1, vocab // 5)] = x[6].max() + 1  # several equal maxima in different lanes
+    x[7, -1] = x[7].max() + 1  # the maximum in the scalar tail
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    assert torch.equal(argmax(x[:0]), x[:0].argmax(dim=-1))
 
 
 def test_logprobs_of_a_row_do_not_depend_on_the_batchs_largest_k():

@@ -8,6 +8,7 @@ at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   at::Tensor seq_lens, double scale, int64_t window,
                                   c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys);
 at::Tensor sample_gumbel(at::Tensor logits, at::Tensor keys);
+at::Tensor argmax_rows(at::Tensor logits);
 std::tuple<at::Tensor, at::Tensor> topk_rows(at::Tensor x, int64_t k);
 void rms_norm_(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
 void rotary_(at::Tensor qk, at::Tensor positions, at::Tensor cos, at::Tensor sin, int64_t num_heads, int64_t head_dim);
@@ -101,5 +102,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("packed"),
         py::arg("window"), py::arg("k_offset"), py::arg("hidden_keys") = py::none());
   m.def("sample_gumbel", &sample_gumbel, "one categorical draw per row of logits (Gumbel-max, hashed noise)");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax as torch.argmax(dim=-1): first maximum, NaN wins");
   m.def("topk_rows", &topk_rows, "each row's k largest entries, largest first, ties to the lower index");
 }
