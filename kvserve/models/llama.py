@@ -158,6 +158,47 @@ class LlamaDecoderLayer(nn.Module):
             attn.qkv_proj.bias,
             [m.out_features for m in linears] + [attn.num_heads, attn.num_kv_heads, attn.head_dim],
             self.input_layernorm.eps,
+            attn,  # held here (not as a submodule) so that a step reads its attributes without nn.Module lookups
+            attn.rotary,
+        )
+
+    def fused_args(self, attn_metadata: Any) -> tuple | None:
+        """The step's own arguments for the C++ layer (the same for every layer), or None where the modules run."""
+        if self._fused is None or not self.use_fused:
+            return None
+        return self.self_attn.backend.fused_layer_args(attn_metadata)
+
+    def forward_fused(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        fused_args: tuple,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._fused is not None
+        layer, norms, linears, qkv_bias, sizes, eps, attn, rotary = self._fused
+        slot_mapping, block_table, seq_lens, packed, hidden_keys = fused_args
+        return layer(
+            x,
+            residual,
+            norms,
+            linears,
+            qkv_bias,
+            sizes,
+            eps,
+            positions,
+            rotary.cos,
+            rotary.sin,
+            *kv_cache,
+            slot_mapping,
+            block_table,
+            seq_lens,
+            attn.scale,
+            packed,
+            attn.sliding_window or 0,
+            attn.k_offset,
+            hidden_keys,
         )
 
     def forward(
@@ -168,34 +209,9 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         attn_metadata: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        fused_args = None
-        if self._fused is not None and self.use_fused:
-            fused_args = self.self_attn.backend.fused_layer_args(attn_metadata)
+        fused_args = self.fused_args(attn_metadata)
         if fused_args is not None:
-            layer, norms, linears, qkv_bias, sizes, eps = self._fused
-            rotary = self.self_attn.rotary
-            slot_mapping, block_table, seq_lens, packed, hidden_keys = fused_args
-            return layer(
-                x,
-                residual,
-                norms,
-                linears,
-                qkv_bias,
-                sizes,
-                eps,
-                positions,
-                rotary.cos,
-                rotary.sin,
-                *kv_cache,
-                slot_mapping,
-                block_table,
-                seq_lens,
-                self.self_attn.scale,
-                packed,
-                self.self_attn.sliding_window or 0,
-                self.self_attn.k_offset,
-                hidden_keys,
-            )
+            return self.forward_fused(positions, x, residual, kv_cache, fused_args)
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -222,6 +238,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, backend, dtype)
         self.tp = get_tp_group()
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
+        self._all_fused = False  # every layer runs the C++ layer where it can (prepare_for_inference decides)
         if cfg.tie_word_embeddings:
             # Registered after `model`, so named_parameters() lists it once, as model.embed_tokens.weight.
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -234,6 +251,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_for_cpu()
         for layer in self.model.layers:
             layer.prepare_fused()
+        self._all_fused = all(layer._fused is not None for layer in self.model.layers)
 
     def forward(
         self,
@@ -249,6 +267,13 @@ class LlamaForCausalLM(nn.Module):
         `after_layer(i)` once it has written it, so a KV connector's loads and saves overlap the other layers."""
         x = self.model.embed_tokens(input_ids)
         residual = None
+        layers = self.model.layers
+        fused_args = layers[0].fused_args(attn_metadata) if layer_hooks is None and self._all_fused else None
+        if fused_args is not None:
+            # Every layer in one C++ call each, without nn.Module's call path (~10 us a layer at batch 1).
+            for layer, kv_cache in zip(layers, kv_caches, strict=True):
+                x, residual = layer.forward_fused(positions, x, residual, kv_cache, fused_args)
+            return x + residual
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             if layer_hooks is not None:
                 layer_hooks.before_layer(i)
