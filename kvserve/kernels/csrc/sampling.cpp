@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -47,34 +48,47 @@ inline vi mix32_v(vi h) {
   return vixor(h, visrl<16>(h));
 }
 
+// A running argmax per vector lane (the first of each lane's largest values; NaNs never win), and its reduction
+// across the lanes to the row's first largest value and index. draw_row and argmax_row share it.
+struct LaneArgmax {
+  vf best = vset(-std::numeric_limits<float>::infinity());
+  vi arg = viset(0);
+  void update(vf v, vi idx) {
+    const vm better = vgt(v, best);
+    best = vselect(better, best, v);
+    arg = vselect(better, arg, idx);
+  }
+  // (value, index); every lane at -inf gives (-inf, 0).
+  std::pair<float, int64_t> reduce() const {
+    alignas(64) float bv[kW];
+    alignas(64) int32_t ba[kW];
+    vstore(bv, best);
+    vistore(ba, arg);
+    float value = -std::numeric_limits<float>::infinity();
+    int64_t index = 0;
+    for (int j = 0; j < kW; ++j)
+      if (bv[j] > value || (bv[j] == value && ba[j] < index)) {
+        value = bv[j];
+        index = ba[j];
+      }
+    return {value, index};
+  }
+};
+
 int64_t draw_row(const float* x, int64_t n, uint64_t key) {
-  float best = -std::numeric_limits<float>::infinity();
-  int64_t arg = 0;
   int64_t i = 0;
   const vi lo = viset(static_cast<int32_t>(static_cast<uint32_t>(key)));
   const vi hi = viset(static_cast<int32_t>(static_cast<uint32_t>(key >> 32)));
-  vf vbest = vset(-std::numeric_limits<float>::infinity());
-  vi varg = viset(0);
+  LaneArgmax lanes;
   for (; i + kW <= n; i += kW) {
     const vi idx = viadd(viset(static_cast<int32_t>(i)), viota());
     const vi h = mix32_v(vixor(mix32_v(vixor(idx, lo)), hi));
     // h >> 9 < 2^23: exact as a signed conversion.
     const vf u = vmul(vadd(vitof(visrl<9>(h)), vset(0.5f)), vset(1.0f / 8388608.0f));
     const vf g = vsub(vzero(), vlog(vsub(vzero(), vlog(u))));
-    const vf v = vadd(vload(x + i), g);
-    const vm better = vgt(v, vbest);
-    vbest = vselect(better, vbest, v);
-    varg = vselect(better, varg, idx);
+    lanes.update(vadd(vload(x + i), g), idx);
   }
-  alignas(64) float bv[kW];
-  alignas(64) int32_t ba[kW];
-  vstore(bv, vbest);
-  vistore(ba, varg);
-  for (int j = 0; j < kW; ++j)
-    if (bv[j] > best || (bv[j] == best && ba[j] < arg)) {
-      best = bv[j];
-      arg = ba[j];
-    }
+  auto [best, arg] = lanes.reduce();
   for (; i < n; ++i) {
     const float v = x[i] + gumbel(key, static_cast<uint32_t>(i));
     if (v > best) {
@@ -89,28 +103,16 @@ int64_t draw_row(const float* x, int64_t n, uint64_t key) {
 // pass ignores NaNs (comparisons with them are false); its running sum is NaN only where a NaN (or both infinities)
 // is in the row, and then the scalar loop decides exactly.
 int64_t argmax_row(const float* x, int64_t n) {
-  vf vbest = vset(-std::numeric_limits<float>::infinity()), vtotal = vzero();
-  vi varg = viset(0);
+  vf vtotal = vzero();
+  LaneArgmax lanes;
   int64_t i = 0;
   for (; i + kW <= n; i += kW) {
-    const vi idx = viadd(viset(static_cast<int32_t>(i)), viota());
     const vf v = vload(x + i);
     vtotal = vadd(vtotal, v);
-    const vm better = vgt(v, vbest);
-    vbest = vselect(better, vbest, v);
-    varg = vselect(better, varg, idx);
+    lanes.update(v, viadd(viset(static_cast<int32_t>(i)), viota()));
   }
-  alignas(64) float bv[kW];
-  alignas(64) int32_t ba[kW];
-  vstore(bv, vbest);
-  vistore(ba, varg);
-  float best = -std::numeric_limits<float>::infinity(), total = vsum(vtotal);
-  int64_t arg = 0;  // a row of -inf: its first entry, as torch
-  for (int j = 0; j < kW; ++j)
-    if (bv[j] > best || (bv[j] == best && ba[j] < arg)) {
-      best = bv[j];
-      arg = ba[j];
-    }
+  auto [best, arg] = lanes.reduce();  // a row of -inf: its first entry, as torch
+  float total = vsum(vtotal);
   for (; i < n; ++i) {
     total += x[i];
     if (x[i] > best) {
