@@ -41,6 +41,7 @@ the script. CI runs it (tests/test_gpu_suite_smoke.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -74,15 +75,29 @@ DEVICE = "cuda"  # "cpu" with --smoke
 # Engine modes of the perf stages: CUDA graphs; graphs with async scheduling (the host schedules and launches step
 # N+1 while the GPU runs step N); eager.
 MODES = ("graphs", "graphs-async", "eager")
-# The roofline stage's A/B of the batch-1 Triton GEMV: the same mode with cuBLAS for every linear.
-# A/B variants of graphs-async: each suffix sets one switch off for that engine.
+# A/B variants of graphs-async (roofline and throughput stages): each suffix sets one switch for that engine.
 ROOFLINE_SWITCHES = {
-    "-cublas": "KVSERVE_TRITON_GEMV",  # cuBLAS for every batch-1 linear
-    "-unfused": "KVSERVE_FUSE_ROTARY_WRITE",  # rotary and the KV write as two launches
+    "-cublas": ("KVSERVE_TRITON_GEMV", "0"),  # cuBLAS for every batch-1 linear
+    "-unfused": ("KVSERVE_FUSE_ROTARY_WRITE", "0"),  # rotary and the KV write as two launches
+    "-seg128": ("KVSERVE_DECODE_SEGMENT", "128"),  # decode attention split every 128 keys instead of 256
+    "-merge1": ("KVSERVE_DECODE_MERGE_SEGS", "1"),  # the decode merge loads one segment at a time
 }
 ROOFLINE_MODES = MODES + tuple("graphs-async" + suffix for suffix in ROOFLINE_SWITCHES)
 # --smoke: tiny stand-ins for the measured shapes (random weights, as there).
 SMOKE_SHAPES = {"llama3-8b": "tiny-llama", "qwen3-0.6b": "tiny-qwen3"}
+
+
+@contextlib.contextmanager
+def mode_switches(mode: str):
+    """The environment of a mode's engine while it is built: its variant suffix's switch (ROOFLINE_SWITCHES)."""
+    switches = [sw for suffix, sw in ROOFLINE_SWITCHES.items() if mode.endswith(suffix)]
+    for var, value in switches:
+        os.environ[var] = value
+    try:
+        yield
+    finally:
+        for var, _ in switches:
+            os.environ.pop(var, None)
 
 
 def log(msg: str) -> None:
@@ -410,10 +425,7 @@ def stage_roofline(res: dict, args) -> None:
     out: dict = {"model": "llama3-8b shape, random bf16 weights", "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
     for mode in args.roofline_modes:
         graphs = mode != "eager"
-        switches = [var for suffix, var in ROOFLINE_SWITCHES.items() if mode.endswith(suffix)]
-        for var in switches:
-            os.environ[var] = "0"
-        try:
+        with mode_switches(mode):
             llm = LLM(
                 folder,
                 load_format="dummy",
@@ -424,9 +436,6 @@ def stage_roofline(res: dict, args) -> None:
                 enforce_eager=not graphs,
                 async_scheduling="-async" in mode,
             )
-        finally:
-            for var in switches:
-                os.environ.pop(var, None)
         runner = llm.engine.engine_core.executor.driver_runner
         weight_bytes = weights_read_per_step(runner.model)
         step = decode_step_time(llm, prompt, args.roofline_short, args.roofline_long)
@@ -476,17 +485,18 @@ def stage_throughput(res: dict, args) -> None:
     }
     for mode in args.throughput_modes:
         graphs = mode != "eager"
-        llm = LLM(
-            folder,
-            load_format="dummy",
-            dtype="bfloat16",
-            device=DEVICE,
-            max_model_len=2048,
-            max_num_seqs=256,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enforce_eager=not graphs,
-            async_scheduling=mode.endswith("-async"),
-        )
+        with mode_switches(mode):
+            llm = LLM(
+                folder,
+                load_format="dummy",
+                dtype="bfloat16",
+                device=DEVICE,
+                max_model_len=2048,
+                max_num_seqs=256,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enforce_eager=not graphs,
+                async_scheduling="-async" in mode,
+            )
         run_kvserve(llm, warm, "warmup", 0.6)
         timer = llm.engine.engine_core.timer
         timer.enabled = True  # a few clock reads per step: where the step goes, host phases against the GPU's
@@ -668,7 +678,7 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--roofline-short", type=int, default=64)
     p.add_argument("--roofline-long", type=int, default=576)
-    p.add_argument("--throughput-modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--throughput-modes", nargs="+", choices=ROOFLINE_MODES, default=list(MODES))
     p.add_argument("--roofline-modes", nargs="+", choices=ROOFLINE_MODES, default=list(MODES))
     p.add_argument("--tests-timeout", type=int, default=420)
     p.add_argument("--tests", nargs="+", default=None, help="test files for the tests stage (default: all listed)")

@@ -110,7 +110,13 @@ class TritonAttentionBackend(AttentionBackend):
             target_programs = 2 * num_sms if on_gpu else 8
         self.target_programs = target_programs
         # The segment kernel for decode rows. In the interpreter, short segments, so that tests cross them.
-        self.decode_config = decode_config or (DecodeConfig() if on_gpu else DecodeConfig(segment=32, tile_n=16))
+        # On a GPU, KVSERVE_DECODE_SEGMENT / KVSERVE_DECODE_MERGE_SEGS override the defaults for A/B runs
+        # (gpu_suite.py's roofline and throughput variants).
+        gpu_config = DecodeConfig(
+            segment=int(os.environ.get("KVSERVE_DECODE_SEGMENT", DecodeConfig.segment)),
+            merge_segs=int(os.environ.get("KVSERVE_DECODE_MERGE_SEGS", DecodeConfig.merge_segs)),
+        )
+        self.decode_config = decode_config or (gpu_config if on_gpu else DecodeConfig(segment=32, tile_n=16))
         # Programs the segment kernel aims for before a program runs several segments: ~4 per SM.
         self.decode_target_programs = 4 * num_sms
         # False: decode rows go through the prefill kernel as before the segment kernel (benchmarks compare).
