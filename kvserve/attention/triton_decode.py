@@ -44,7 +44,10 @@ class DecodeConfig:
     """Launch parameters. `segment` decides the numerics (where a context is split), so it is fixed for a
     backend; the others change only speed (tile_n divides segment)."""
 
-    segment: int = 256  # keys per segment
+    # One tile a segment: at batch 1 (Llama-3-8B shape, 704 keys, H200) the kernel took 263-267 us a step against
+    # 333-336 with 256-key segments (twice the programs, each one tile deep), and the nano-vllm workload at batch
+    # 256 ran as fast (issue 35's fourth session, docs/benchmarks.md).
+    segment: int = 128  # keys per segment
     # 128-key tiles, 2 stages: of 14 configs timed on an H200 (one layer, graph replays, docs/benchmarks.md), the
     # fastest at batch 256 (386 us vs 394 for 64-key tiles) and among the fastest at batch 1 (11.4 vs 13.7 us).
     tile_n: int = 128  # keys per inner-loop tile
