@@ -79,7 +79,7 @@ MODES = ("graphs", "graphs-async", "eager")
 ROOFLINE_SWITCHES = {
     "-cublas": ("KVSERVE_TRITON_GEMV", "0"),  # cuBLAS for every batch-1 linear
     "-unfused": ("KVSERVE_FUSE_ROTARY_WRITE", "0"),  # rotary and the KV write as two launches
-    "-seg128": ("KVSERVE_DECODE_SEGMENT", "128"),  # decode attention split every 128 keys instead of 256
+    "-seg256": ("KVSERVE_DECODE_SEGMENT", "256"),  # decode attention split every 256 keys, the default until 128
     "-merge1": ("KVSERVE_DECODE_MERGE_SEGS", "1"),  # the decode merge loads one segment at a time
 }
 ROOFLINE_MODES = MODES + tuple("graphs-async" + suffix for suffix in ROOFLINE_SWITCHES)
