@@ -60,6 +60,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 from gpu_breakdown import profile_window  # noqa: E402
+from gpu_serve import record_run  # noqa: E402
 
 STAGES = ("env", "tests", "parity", "roofline", "throughput", "breakdown", "serve")
 GROUPS = {"correctness": ("env", "tests", "parity"), "perf": ("env", "roofline", "throughput")}
@@ -463,6 +464,11 @@ def stage_roofline(res: dict, args) -> None:
     res["roofline"] = out
 
 
+def tok_s(row: dict) -> float:
+    """A mode's output tok/s: the median of its runs where it ran several times (record_run)."""
+    return row.get("median_output_tok_s", row["output_tok_s"])
+
+
 def stage_throughput(res: dict, args) -> None:
     import transformers
 
@@ -503,7 +509,7 @@ def stage_throughput(res: dict, args) -> None:
         timer.reset()
         r = run_kvserve(llm, requests, f"kvserve ({mode})", 0.6)
         timer.enabled = False
-        out[r.name] = {"seconds": round(r.seconds, 2), "output_tok_s": round(r.output_tokens_per_s, 1)}
+        record_run(out, r.name, {"seconds": round(r.seconds, 2), "output_tok_s": round(r.output_tokens_per_s, 1)})
         out[r.name]["steps"] = timer.steps
         out[r.name]["phase_ms_per_step"] = {
             k: round(v / max(timer.steps, 1) * 1e3, 3) for k, v in sorted(timer.seconds.items())
@@ -521,6 +527,8 @@ def stage_throughput(res: dict, args) -> None:
         llm.shutdown()
         del llm
         release_memory()
+    if "kvserve (graphs)" in out and "kvserve (graphs-async)" in out:
+        out["speedup_async_vs_graphs"] = round(tok_s(out["kvserve (graphs-async)"]) / tok_s(out["kvserve (graphs)"]), 3)
     res["throughput"] = out
     if args.hf_requests == 0:  # kvserve alone (a re-measure after a change; the HF ratio needs a full run)
         return
@@ -537,10 +545,6 @@ def stage_throughput(res: dict, args) -> None:
             "num_requests": len(hf_requests),
         }
         log(f"throughput {r.name}: {out[r.name]}")
-    if "kvserve (graphs)" in out and "kvserve (graphs-async)" in out:
-        out["speedup_async_vs_graphs"] = round(
-            out["kvserve (graphs-async)"]["output_tok_s"] / out["kvserve (graphs)"]["output_tok_s"], 3
-        )
     best_hf = max(v["output_tok_s"] for k, v in out.items() if k.startswith("hf-generate"))
     if "kvserve (graphs)" in out:
         out["speedup_graphs_vs_best_hf"] = round(out["kvserve (graphs)"]["output_tok_s"] / best_hf, 2)
@@ -592,6 +596,13 @@ def breakdown_summary(b: dict) -> list[str]:
     return lines
 
 
+def runs_note(row: dict) -> str:
+    """A repeated mode's runs (record_run), for the summary: the last run's figures come before it."""
+    if "runs" not in row:
+        return ""
+    return f" (last of {len(row['runs'])} runs: {row['runs']}, median {row['median_output_tok_s']})"
+
+
 def summary(res: dict) -> str:
     lines = ["", "==== gpu_suite summary ===="]
     if "env" in res:
@@ -627,7 +638,7 @@ def summary(res: dict) -> str:
     if "throughput" in res:
         for k, v in res["throughput"].items():
             if isinstance(v, dict):
-                lines.append(f"throughput {k}: {v['output_tok_s']} output tok/s in {v['seconds']} s")
+                lines.append(f"throughput {k}: {v['output_tok_s']} output tok/s in {v['seconds']} s{runs_note(v)}")
                 if "phase_ms_per_step" in v:
                     lines.append(f"  {v.get('steps')} steps, ms/step by phase: {v['phase_ms_per_step']}")
                 w = v.get("profile_window")
@@ -656,7 +667,7 @@ def summary(res: dict) -> str:
                 f"p50/p99 {r['ttft_ms']['median']}/{r['ttft_ms']['p99']} ms; ITL p50/p99 {r['itl_ms']['median']}/"
                 f"{r['itl_ms']['p99']} ms (x{r['itl_p99_over_p50']}), >100 ms: {r['itl_over_100ms']} of "
                 f"{r['num_itls']}, top {r['itl_top_ms'][-3:]}; Triton compiles while serving: "
-                f"{r['triton_compiled_while_serving']}"
+                f"{r['triton_compiled_while_serving']}{runs_note(r)}"
             )
     for stage, err in res.get("errors", {}).items():
         lines.append(f"ERROR in {stage}: {err.splitlines()[-1] if err else ''}")
