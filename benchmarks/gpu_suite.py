@@ -449,8 +449,9 @@ def stage_roofline(res: dict, args) -> None:
             "fraction_of_roofline": round(floor / step, 3),
             "tokens_per_s": round(1 / step, 1),
             "batch1_linears": {
-                "x".join(map(str, key[:2])) + ("+bias" if key[3] else ""): {
+                "x".join(map(str, key[:2])) + ("+bias" if key[3] else "") + ("+silu" if "silu" in key else ""): {
                     "choice": repr(v["choice"]) if v["choice"] else "cublas",
+                    **({"silu_choice": repr(v["silu_choice"])} if "silu_choice" in v else {}),
                     "us": v["us"],
                 }
                 for key, v in runner.gemv_choices.items()

@@ -78,6 +78,10 @@ class Linear(nn.Module):
         self._kernels: ModuleType | None = None  # the C++ kernels, which read _panels
         # CUDA, half types: the Triton GEMV config that beat cuBLAS at batch 1 on this shape (kernels/triton_gemv.py)
         self.gemv_config = None
+        # An MLP's down projection (its input is silu(gate) * up): the GEMV config that forms that product as it
+        # loads x and beat SiLU-and-mul + the plain path at batch 1, or None (forward_silu_mul).
+        self.takes_silu_mul = False
+        self.gemv_silu_config = None
 
     def pack_for_cpu(self) -> None:
         """Put the weight in the form the CPU matmuls read fastest, once weights are loaded. Irreversible."""
@@ -130,6 +134,16 @@ class Linear(nn.Module):
 
             return gemv(x, self.weight, bias, self.gemv_config)
         return F.linear(x, self.weight, bias)
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """This layer applied to silu(gate) * up of gate_up = [gate | up] in one launch (the same bits as
+        SiluAndMul then forward), or None where that path does not apply: no fused config, not one contiguous
+        row, or (RowParallelLinear) ranks to reduce over."""
+        if self.gemv_silu_config is None or gate_up.dim() != 2 or gate_up.shape[0] != 1 or gate_up.stride(1) != 1:
+            return None
+        from kvserve.kernels.triton_gemv import gemv
+
+        return gemv(gate_up, self.weight, self.bias, self.gemv_silu_config, silu_mul=True)
 
     def extra_repr(self) -> str:
         form = ", oneDNN-packed" if self._packed is not None else ""

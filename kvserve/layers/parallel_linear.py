@@ -125,6 +125,9 @@ class RowParallelLinear(Linear):
         _check_shape(loaded, (self.out_features, self.full_in_features))
         param.data.copy_(loaded.narrow(1, self.input_start, self.in_features))
 
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        return super().forward_silu_mul(gate_up) if self.tp.world_size == 1 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return super().forward(x)

@@ -112,10 +112,16 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size], bias=False
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj.takes_silu_mul = True
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        # Batch 1 on a GPU, where it won at load: the SiLU-and-mul inside the down projection's GEMV launch (a
+        # quantized down projection, swapped in after __init__, has no such path).
+        fused_path = getattr(self.down_proj, "forward_silu_mul", None)
+        fused = fused_path(gate_up) if fused_path is not None else None
+        return fused if fused is not None else self.down_proj(self.act_fn(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -151,7 +151,7 @@ class ModelRunner:
             self.kv_dtype,
         )
         start = time.perf_counter()
-        self.gemv_choices: dict = {}  # (N, K, dtype, bias) -> the batch-1 GEMV chosen and the timings behind it
+        self.gemv_choices: dict = {}  # (N, K, dtype, bias[, "silu"]) -> the batch-1 GEMVs chosen, their timings
         self.model = load_model(config, self.attn_backend)
         logger.info("loaded %s in %.1fs", config.model, time.perf_counter() - start)
         # fp8 caches store each layer's keys minus their mean (attention/key_centering.py); the layout id says so.

@@ -77,3 +77,51 @@ def test_pick_takes_the_fastest_candidate_only_where_it_beats_cublas():
     assert pick({**times, "cublas": 10.2}) is None  # within 3%: cuBLAS stays
     times[repr(CANDIDATES[2])] = 5.0
     assert pick({**times, "cublas": 12.0}) == CANDIDATES[2]
+
+
+@pytest.mark.parametrize("config", CANDIDATES[:1] + (GemvConfig(block_n=4, block_k=64, num_warps=4),))
+@pytest.mark.parametrize("n,k,bias", [(37, 200, False), (5, 1030, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_mul_gemv_is_the_two_launches_it_replaces(config, n, k, bias, dtype):
+    from kvserve.kernels.triton_ops import silu_and_mul
+
+    torch.manual_seed(n + k)
+    gate_up = (3 * torch.randn(1, 2 * k, device=DEVICE)).to(dtype)
+    gate_up[0, :7] = torch.tensor([0.0, -0.0, 30.0, -30.0, 88.0, -88.0, 1e-3])  # SiLU's saturated ends, zeros
+    w = torch.randn(n, k, device=DEVICE).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    fused = gemv(gate_up, w, b, config, silu_mul=True)
+    assert torch.equal(fused, gemv(silu_and_mul(gate_up), w, b, config))
+
+
+def test_the_mlp_fuses_silu_into_its_down_projection_at_batch_1_only(monkeypatch):
+    from kvserve.config import ArchConfig
+    from kvserve.kernels import triton_gemv
+    from kvserve.models.llama import LlamaMLP
+
+    cfg = ArchConfig("LlamaForCausalLM", 100, 64, 96, 1, 4, 2, 16, 1e-5, 1e4, 128)
+    with torch.device(DEVICE):
+        mlp = LlamaMLP(cfg).to(torch.bfloat16)
+    torch.manual_seed(0)
+    for p in mlp.parameters():
+        p.data = torch.randn_like(p) * 0.2
+    assert mlp.down_proj.takes_silu_mul and not mlp.gate_up_proj.takes_silu_mul
+    x = torch.randn(3, 64, device=DEVICE).to(torch.bfloat16)
+    want = mlp(x)
+    calls = []
+    real = triton_gemv.gemv
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(kw.get("silu_mul")) or real(*a, **kw))
+    mlp.down_proj.gemv_silu_config = GemvConfig(block_n=4, block_k=32, num_warps=4)
+    torch.testing.assert_close(mlp(x), want)  # batch 3: the two launches
+    assert calls == []
+    got = mlp(x[1:2])
+    assert calls == [True]
+    # The same bits as the GPU's two launches (Triton's SiLU-and-mul, then the GEMV with the same config; the CPU's
+    # own SiluAndMul, which the module path takes here, rounds in another order).
+    from kvserve.kernels.triton_ops import silu_and_mul
+
+    two = real(silu_and_mul(mlp.gate_up_proj(x[1:2])), mlp.down_proj.weight, None, mlp.down_proj.gemv_silu_config)
+    assert torch.equal(got, two)
+    torch.testing.assert_close(got, want[1:2], rtol=0.05, atol=0.05)
+    mlp.down_proj.gemv_silu_config = None
+    assert torch.equal(mlp(x[1:2]), want[1:2])  # no fused config: the module path as before
