@@ -88,6 +88,24 @@ ROOFLINE_MODES = MODES + tuple("graphs-async" + suffix for suffix in ROOFLINE_SW
 SMOKE_SHAPES = {"llama3-8b": "tiny-llama", "qwen3-0.6b": "tiny-qwen3"}
 
 
+def mode_engine(folder: str, mode: str, **engine_kwargs):
+    """An engine on `folder`'s model (random bf16 weights) in `mode`: graphs or eager, async or not, and the
+    mode's variant switch (ROOFLINE_SWITCHES) set while it is built."""
+    from kvserve import LLM
+
+    with mode_switches(mode):
+        return LLM(
+            folder,
+            load_format="dummy",
+            dtype="bfloat16",
+            device=DEVICE,
+            max_model_len=2048,
+            enforce_eager=mode == "eager",
+            async_scheduling="-async" in mode,
+            **engine_kwargs,
+        )
+
+
 @contextlib.contextmanager
 def mode_switches(mode: str):
     """The environment of a mode's engine while it is built: its variant suffix's switch (ROOFLINE_SWITCHES)."""
@@ -417,7 +435,6 @@ def kernel_profile(runner, iters: int = 10) -> list[dict]:
 
 
 def stage_roofline(res: dict, args) -> None:
-    from kvserve import LLM
     from kvserve.benchmarks.synthetic import write_model_folder
 
     bandwidth = res.get("env", {}).get("copy_bandwidth_GBps", 0) * 1e9 or copy_bandwidth()
@@ -426,17 +443,7 @@ def stage_roofline(res: dict, args) -> None:
     out: dict = {"model": "llama3-8b shape, random bf16 weights", "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
     for mode in args.roofline_modes:
         graphs = mode != "eager"
-        with mode_switches(mode):
-            llm = LLM(
-                folder,
-                load_format="dummy",
-                dtype="bfloat16",
-                device=DEVICE,
-                max_model_len=2048,
-                max_num_seqs=8,
-                enforce_eager=not graphs,
-                async_scheduling="-async" in mode,
-            )
+        llm = mode_engine(folder, mode, max_num_seqs=8)
         runner = llm.engine.engine_core.executor.driver_runner
         weight_bytes = weights_read_per_step(runner.model)
         step = decode_step_time(llm, prompt, args.roofline_short, args.roofline_long)
@@ -473,7 +480,6 @@ def tok_s(row: dict) -> float:
 def stage_throughput(res: dict, args) -> None:
     import transformers
 
-    from kvserve import LLM
     from kvserve.benchmarks.datasets import DatasetSpec, build_dataset
     from kvserve.benchmarks.synthetic import hf_config, write_model_folder
     from kvserve.benchmarks.throughput import run_hf, run_kvserve
@@ -491,19 +497,7 @@ def stage_throughput(res: dict, args) -> None:
         "output_tokens": sum(r.output_len for r in requests),
     }
     for mode in args.throughput_modes:
-        graphs = mode != "eager"
-        with mode_switches(mode):
-            llm = LLM(
-                folder,
-                load_format="dummy",
-                dtype="bfloat16",
-                device=DEVICE,
-                max_model_len=2048,
-                max_num_seqs=256,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enforce_eager=not graphs,
-                async_scheduling="-async" in mode,
-            )
+        llm = mode_engine(folder, mode, max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens)
         run_kvserve(llm, warm, "warmup", 0.6)
         timer = llm.engine.engine_core.timer
         timer.enabled = True  # a few clock reads per step: where the step goes, host phases against the GPU's
