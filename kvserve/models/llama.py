@@ -118,10 +118,11 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         # Batch 1 on a GPU, where it won at load: the SiLU-and-mul inside the down projection's GEMV launch (a
-        # quantized down projection, swapped in after __init__, has no such path).
-        fused_path = getattr(self.down_proj, "forward_silu_mul", None)
-        fused = fused_path(gate_up) if fused_path is not None else None
-        return fused if fused is not None else self.down_proj(self.act_fn(gate_up))
+        # quantized down projection, swapped in after __init__, has no such path; isinstance, not a getattr that
+        # would raise inside nn.Module for every layer of every step).
+        down = self.down_proj
+        fused = down.forward_silu_mul(gate_up) if isinstance(down, RowParallelLinear) else None
+        return fused if fused is not None else down(self.act_fn(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
