@@ -17,6 +17,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", message=".*non-writable.*")
+# A default KV pool of 0.5 GiB, not kvserve's min(40% of free memory, 4 GiB): a tiny model's 4 GiB is half a million
+# blocks, ~1 s of start-up per engine, and the suite builds hundreds. Child processes (servers, instances) inherit it.
+os.environ.setdefault("KVSERVE_CPU_KVCACHE_SPACE", "0.5")
+
+# The Triton interpreter runs the same whatever the CPU's vector ISA: its tests run in the full pass only, not again
+# in the Makefile's forced-ISA passes.
+triton_once = pytest.mark.skipif(
+    bool(os.environ.get("KVSERVE_CPU_ISA")), reason="forced ISA level: Triton tests run once"
+)
 
 # name -> (HF config class name, config overrides). Tiny models reuse SmolLM2's tokenizer (vocab 49152), so
 # the text, chat and stop-string paths run on them too.

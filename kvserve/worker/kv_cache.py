@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 # capped like vLLM's CPU backend default (4 GiB).
 _DEFAULT_FRACTION = 0.4
 _DEFAULT_CAP = 4 << 30
+# GiB of KV cache when none is given, like vLLM's VLLM_CPU_KVCACHE_SPACE (the test suite sets it low: a tiny model's
+# 4 GiB pool is half a million blocks, over a second of start-up per engine).
+KVCACHE_SPACE_ENV = "KVSERVE_CPU_KVCACHE_SPACE"
 
 
 def bytes_per_block(backend: AttentionBackend, block_size: int, num_layers: int, dtype: torch.dtype) -> int:
@@ -39,6 +42,20 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def default_kv_budget() -> int:
+    """Bytes of KV cache when neither kv_cache_memory nor num_kv_blocks is given."""
+    space = os.environ.get(KVCACHE_SPACE_ENV)
+    if space:
+        try:
+            gib = float(space)
+        except ValueError:
+            gib = 0.0
+        if not gib > 0:
+            raise ValueError(f"{KVCACHE_SPACE_ENV}={space!r}: give a positive number of GiB")
+        return int(gib * 2**30)
+    return min(int(available_memory() * _DEFAULT_FRACTION), _DEFAULT_CAP)
+
+
 def num_blocks_for(
     cache_config: CacheConfig,
     backend: AttentionBackend,
@@ -55,7 +72,7 @@ def num_blocks_for(
         return cache_config.num_kv_blocks
     budget = cache_config.kv_cache_memory
     if budget is None:
-        budget = min(int(available_memory() * _DEFAULT_FRACTION), _DEFAULT_CAP)
+        budget = default_kv_budget()
     budget //= num_ranks
     per_block = bytes_per_block(backend, cache_config.block_size, num_layers, dtype) + extra_bytes_per_block
     num_blocks = budget // per_block

@@ -16,7 +16,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.combinations import refusals
 from kvserve.layers.alibi import alibi_slopes
-from tests.conftest import assert_all_blocks_free, hf_greedy, load_hf_model
+from tests.conftest import assert_all_blocks_free, hf_greedy, load_hf_model, triton_once
 from tests.engine.test_spec_decode import copy_prompts
 from tests.executor.test_tp_parity import check_parity
 from tests.models.test_hf_parity import NUM_TOKENS, make_prompts, run_condition
@@ -86,6 +86,7 @@ def test_big_chunks_through_sdpa_match_hf(references, name, monkeypatch):
     assert any(span.mask is not None for span in spans)  # chunks after cached context too
 
 
+@triton_once
 def test_triton_kernels_in_the_interpreter_match_hf(references):
     """The Triton backend's kernels (in Triton's interpreter on the CPU) through the engine: prefill chunks after
     cached prefixes and decodes with ALiBi."""

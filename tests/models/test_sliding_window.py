@@ -16,7 +16,7 @@ from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.combinations import refusals
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.utils import cdiv
-from tests.conftest import assert_all_blocks_free, hf_greedy, load_hf_model
+from tests.conftest import assert_all_blocks_free, hf_greedy, load_hf_model, triton_once
 
 NUM_TOKENS = 48  # generation well past the windows (12 and 10)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -141,6 +141,7 @@ def test_gpu_refused_before_loading(tiny_model_factory):
     assert not any("sliding-window" in r for r in refusals(config))
 
 
+@triton_once
 def test_triton_kernels_in_the_interpreter_match_hf(references):
     """The Triton backend's kernels (in Triton's interpreter on the CPU) through the engine: windowed prefill
     chunks after cached prefixes and windowed decodes, on both models."""

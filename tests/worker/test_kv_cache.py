@@ -7,9 +7,11 @@ import torch
 from kvserve.attention.torch_ref import TorchRefAttentionBackend
 from kvserve.config import CacheConfig
 from kvserve.worker.kv_cache import (
+    KVCACHE_SPACE_ENV,
     allocate_kv_cache,
     blocks_view,
     bytes_per_block,
+    default_kv_budget,
     num_blocks_for,
     prefault_kv_cache,
 )
@@ -103,3 +105,16 @@ def test_swap_space_moves_every_mirrored_pool_with_the_same_pairs():
     for pool, old in zip(pools, before, strict=True):
         assert torch.equal(pool[5], old[1]) and torch.equal(pool[0], old[4])
         assert not pool[1].any() and not pool[4].any()
+
+
+def test_the_default_budget_follows_the_kvcache_space_variable(monkeypatch):
+    per_block = bytes_per_block(backend(), 16, NUM_LAYERS, torch.bfloat16)
+    monkeypatch.setenv(KVCACHE_SPACE_ENV, "0.25")
+    assert default_kv_budget() == 1 << 28
+    assert num_blocks_for(CacheConfig(block_size=16), backend(), NUM_LAYERS, torch.bfloat16) == (1 << 28) // per_block
+    for bad in ("0", "-1", "lots"):
+        monkeypatch.setenv(KVCACHE_SPACE_ENV, bad)
+        with pytest.raises(ValueError, match=KVCACHE_SPACE_ENV):
+            default_kv_budget()
+    monkeypatch.delenv(KVCACHE_SPACE_ENV)
+    assert 0 < default_kv_budget() <= 4 << 30
