@@ -114,9 +114,10 @@ class EngineArgs:
     once. max_num_batched_tokens: token budget per step (None: 2048, or max_model_len without chunked prefill; a
     server on a GPU: 384, so that steps with a prefill chunk do not stall the streams).
     enable_chunked_prefill / enable_prefix_caching. block_size: tokens per KV block. kv_cache_memory: KV budget in
-    bytes (None: 40% of free RAM, at most 4 GiB). kv_cache_dtype: what K/V are stored as, vLLM's values: "auto" (the
-    model's dtype), "fp8_e4m3" (alias "fp8") or "fp8_e5m2", one byte per element, so twice the tokens of a bf16 cache
-    in the same kv_cache_memory (README, "fp8 KV cache"). num_kv_blocks: exact KV block count (overrides the memory).
+    bytes (None: 40% of free RAM, at most 4 GiB, or KVSERVE_CPU_KVCACHE_SPACE GiB where set). kv_cache_dtype: what
+    K/V are stored as, vLLM's values: "auto" (the model's dtype), "fp8_e4m3" (alias "fp8") or "fp8_e5m2", one byte
+    per element, so twice the tokens of a bf16 cache in the same kv_cache_memory (README, "fp8 KV cache").
+    num_kv_blocks: exact KV block count (overrides the memory).
     kv_prefault: fault the KV pool in at start-up: "off", "sync" or "background".
     num_threads / cpu_bind: compute threads (None: KVSERVE_NUM_THREADS, else the CPUs free to this process) and an
     optional CPU list to pin them to, e.g. "0-3" (kvserve/threads.py).
@@ -486,7 +487,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=_bytes,
         default=None,
-        help="KV cache budget, e.g. 2GiB or 512MiB (default: 40%% of free RAM, at most 4 GiB)",
+        help="KV cache budget, e.g. 2GiB or 512MiB (default: 40%% of free RAM, at most 4 GiB; "
+        "KVSERVE_CPU_KVCACHE_SPACE=<GiB> sets it)",
     )
     g.add_argument(
         "--kv-cache-dtype",
