@@ -134,7 +134,7 @@ int64_t linear_panel_width() { return kNP; }
 // w [N, K] (fp32 or bf16) -> the panel layout [ceil(N / kNP), K, kNP], same dtype, zero rows past N.
 // Written in one pass, panel by panel: a fresh page costs more to fault in than the copy itself in the VMs kvserve
 // is measured on, so padding into one new buffer and transposing into another paid for the model's weights twice
-// (~2 s of the embedded model's fp32 load).
+// (the embedded model's fp32 linears: 0.52 s that way, 0.33 s this way, kind C).
 at::Tensor pack_linear_weight(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "pack_linear_weight: w [N, K]");
   const int64_t N = w.size(0), K = w.size(1), P = cdiv(N, kNP);
