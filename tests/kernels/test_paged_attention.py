@@ -102,3 +102,70 @@ def test_amx_attention_rows_do_not_depend_on_their_group(num_heads, num_kv_heads
     finally:
         K.attention_amx_set_enabled(was)
     torch.testing.assert_close(whole.float(), vectors.float(), atol=1e-2, rtol=1e-2)
+
+
+def reference_masked(q, keys, values, scale, window, slopes, hidden):
+    """reference() for a row at position len - 1 (len = keys' length) with a sliding window (0: none), ALiBi slopes
+    ([H] or None) and a tree word (bit b hides the key at len - 1 - b)."""
+    n, group = keys.shape[0], q.shape[0] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).float()
+    v = values.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("hd,shd->hs", q.float(), k) * scale
+    pos = torch.arange(n)
+    if slopes is not None:
+        scores = scores + slopes[:, None] * (pos - (n - 1))[None, :].float()
+    masked = torch.zeros(n, dtype=torch.bool)
+    if window:
+        masked |= pos < n - window
+    for b in range(64):
+        if (hidden >> b) & 1 and n - 1 - b >= 0:
+            masked[n - 1 - b] = True
+    scores = scores.masked_fill(masked[None, :], float("-inf"))
+    return torch.einsum("hs,shd->hd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (16, 2, 128), (6, 3, 24)])
+@pytest.mark.parametrize("block_size", [16, 5, 300])
+@pytest.mark.parametrize("variant", ["plain", "window", "alibi", "tree"])
+def test_long_contexts_across_softmax_spans(cache_dtype, num_heads, num_kv_heads, head_dim, block_size, variant):
+    """Contexts of several of the fast path's softmax spans (whole blocks, ~256 keys each; one block when a block is
+    bigger), ending inside a span, at its edge and just past it: the running max and the rescale across spans,
+    a window that starts in an earlier span, ALiBi, and tree words whose hidden keys straddle a span's edge."""
+    torch.manual_seed(1)
+    rng = np.random.default_rng(1)
+    lens = [700, 256, 257, 511, 64, 1030, 300, 301]
+    window = 290 if variant == "window" else 0
+    slopes = torch.rand(num_heads) * 0.05 if variant == "alibi" else None
+    hidden = [0] * len(lens)
+    if variant == "tree":
+        hidden = [int(rng.integers(1, 2**62)) << 1 for _ in lens]  # never the row's own key (bit 0)
+    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 3
+    # Scores that grow along the context move the running max in every span.
+    k_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim) * 2).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
+    free = list(rng.permutation(num_blocks))
+    table = np.zeros((len(lens), max(math.ceil(n / block_size) for n in lens)), dtype=np.int32)
+    for i, n in enumerate(lens):
+        table[i, : math.ceil(n / block_size)] = [free.pop() for _ in range(math.ceil(n / block_size))]
+    q = torch.randn(len(lens), num_heads, head_dim)
+    scale = head_dim**-0.5
+    out = K.paged_attention_decode(
+        q,
+        k_cache,
+        v_cache,
+        torch.from_numpy(table),
+        torch.tensor(lens),
+        scale,
+        window,
+        slopes,
+        torch.tensor([h - (1 << 64) if h >= 1 << 63 else h for h in hidden], dtype=torch.int64)
+        if variant == "tree"
+        else None,
+    )
+    for i, n in enumerate(lens):
+        ids = torch.from_numpy(table[i]).long()
+        keys = k_cache[ids].float().reshape(-1, num_kv_heads, head_dim)[:n]
+        values = v_cache[ids].float().reshape(-1, num_kv_heads, head_dim)[:n]
+        expected = reference_masked(q[i], keys, values, scale, window, slopes, hidden[i])
+        torch.testing.assert_close(out[i], expected, atol=3e-5, rtol=3e-5)

@@ -28,6 +28,7 @@ using namespace kvserve;
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 64;
 constexpr int kMaxBlockSize = 1024;
+constexpr int64_t kSpanKeys = 256;
 
 inline void prefetch_range(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -133,23 +134,66 @@ template <int HD, int G, typename T, typename C = T>
 struct FastDecode {
   static constexpr int NV = HD / kW;  // vectors per head row
   static constexpr bool kRowsInRegisters = (G + 1) * NV + 2 <= kNumVecRegs;
+  // Columns per pass of accumulate_pv's column path: the most that divides NV with G * cols accumulators, G
+  // broadcast probabilities and a V vector in registers.
+  static constexpr int pv_cols() {
+    int best = 1;
+    for (int c = 1; c <= NV; ++c)
+      if (NV % c == 0 && G * c + G + 1 <= kNumVecRegs) best = c;
+    return best;
+  }
+  static constexpr int kPvCols = pv_cols();
   using KRow = std::conditional_t<kIsFp8<C>, float, C>;  // what the q.k loop reads K rows as
 
-  // Partial (kW-lane) products of query head row q with key row k; summed across lanes later by vhsum.
-  static inline vf dot_partial(const vf* qf, const uint16_t* qb, const KRow* k) {
+  // part[t]: the partial (kW-lane) products of query row q with key row k + t * stride, for t < cnt (zero
+  // beyond); summed across lanes later by vhsum. The dims are the outer loop, so the kW tokens' FMAs form kW
+  // independent chains that overlap in the pipeline: a loop per token is one chain of NV dependent FMAs, which
+  // made the q.k step latency-bound (~4x slower in L1 on AVX2). Each lane still sums dims in order 0..NV-1, so
+  // the result is the same as the loop per token's, bit for bit.
+  static inline void dot_partials(const float* q, const uint16_t* qb, const KRow* k, int64_t stride, int cnt,
+                                  vf* part) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<KRow, at::BFloat16>) {
-      const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
-      __m512 acc = _mm512_setzero_ps();
-      for (int c = 0; c < HD; c += 32)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + c), (__m512bh)_mm512_loadu_si512(kb + c));
-      return acc;
+      for (int t = 0; t < kW; ++t) {
+        if (t >= cnt) {
+          part[t] = vzero();
+          continue;
+        }
+        const uint16_t* kb = reinterpret_cast<const uint16_t*>(k + t * stride);
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < HD; c += 32)
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + c), (__m512bh)_mm512_loadu_si512(kb + c));
+        part[t] = acc;
+      }
+      return;
     }
 #endif
     (void)qb;
-    vf acc = vmul(qf[0], vload(k));
-    for (int c = 1; c < NV; ++c) acc = vfma(qf[c], vload(k + kW * c), acc);
-    return acc;
+    if (cnt == kW) {  // a whole run of tokens: fixed trip counts, every accumulator in a register
+      vf a[kW];
+      const vf q0 = vload(q);
+#pragma GCC unroll 16
+      for (int t = 0; t < kW; ++t) a[t] = vmul(q0, vload(k + t * stride));
+#pragma GCC unroll 16
+      for (int c = 1; c < NV; ++c) {
+        const vf qc = vload(q + kW * c);
+#pragma GCC unroll 16
+        for (int t = 0; t < kW; ++t) a[t] = vfma(qc, vload(k + t * stride + kW * c), a[t]);
+      }
+#pragma GCC unroll 16
+      for (int t = 0; t < kW; ++t) part[t] = a[t];
+      return;
+    }
+    // The block's last, partial run: never read rows past the block's tokens (stale or unwritten).
+    for (int t = 0; t < kW; ++t) {
+      if (t >= cnt) {
+        part[t] = vzero();
+        continue;
+      }
+      vf acc = vmul(vload(q), vload(k + t * stride));
+      for (int c = 1; c < NV; ++c) acc = vfma(vload(q + kW * c), vload(k + t * stride + kW * c), acc);
+      part[t] = acc;
+    }
   }
 
   // The n K rows (of one kv head, token_stride apart) as the q.k loop reads them: in place, or for an fp8 cache
@@ -171,10 +215,13 @@ struct FastDecode {
                   T* out, const PagedShape& p, float scale, int64_t hpt, int64_t window, const float* alibi,
                   const int64_t* hidden) {
     const int64_t block_size = p.block_size, token_stride = p.num_kv_heads * HD;
+    // Keys per softmax step: as many whole blocks as fit in kSpanKeys (at least one). One step a block (16 keys) spent as long on the
+    // running max, the exps and the rescales as on q.k (AVX2, fp32, G = 3).
+    const int64_t span = std::max<int64_t>(1, kSpanKeys / block_size) * block_size;
     const int nq = static_cast<int>(hpt) * G;
     parallel_over_tasks(p, hpt, [&] {
       return [&, qf_all = std::vector<float>(nq * HD), qb_all = std::vector<uint16_t>(nq * HD),
-              acc = std::vector<float>(nq * HD), scores = std::vector<float>(nq * block_size),
+              acc = std::vector<float>(nq * HD), scores = std::vector<float>(nq * span),
               kbuf = std::vector<float>(kIsFp8<C> ? block_size * HD : 0), m = std::vector<float>(nq),
               l = std::vector<float>(nq)](int64_t s, int64_t h0) mutable {
         const int64_t len = seq_lens[s], lo = window_start(len, window);
@@ -188,63 +235,75 @@ struct FastDecode {
           l[j] = 0.f;
         }
         const int32_t* table = block_table + s * p.table_stride;
-        for (int64_t start = lo / block_size * block_size; start < len; start += block_size) {
-          const int64_t block = table[start / block_size];
-          const int n = static_cast<int>(std::min(block_size, len - start));
-          const bool has_next = start + block_size < len;
-          const int64_t next_base = has_next ? table[start / block_size + 1] * block_size * token_stride : 0;
-          for (int hh = 0; hh < hpt; ++hh) {
-            const int64_t base = block * block_size * token_stride + (h0 + hh) * HD;
-            const C* next_k = has_next ? k_cache + next_base + (h0 + hh) * HD : nullptr;
-            int64_t kstride;
-            const KRow* krows = k_rows(k_cache + base, token_stride, n, kbuf.data(), kstride);
-            // q.k for the G query heads of this kv head, kW tokens at a time.
-            for (int g = 0; g < G; ++g) {
-              const int j = hh * G + g;
-              vf qf[NV];
-              for (int c = 0; c < NV; ++c) qf[c] = vload(&qf_all[j * HD + kW * c]);
-              const uint16_t* qb = &qb_all[j * HD];
-              for (int t0 = 0; t0 < n; t0 += kW) {
-                const int cnt = std::min(kW, n - t0);
-                vf part[kW];
-                for (int tt = 0; tt < kW; ++tt) {
-                  // While reading this head's row of token t, fetch a G-th of the same row of the next block
-                  // (blocks sit anywhere in the pool, so the hardware prefetcher cannot guess where it is).
-                  if (next_k != nullptr && tt < cnt)
-                    prefetch_part(next_k + (t0 + tt) * token_stride, HD * static_cast<int64_t>(sizeof(C)), g, G);
-                  part[tt] = tt < cnt ? dot_partial(qf, qb, krows + (t0 + tt) * kstride) : vzero();
-                }
-                const vf sc = vmul(vhsum(part), vset(scale));
-                if (cnt == kW) {
-                  vstore(&scores[j * block_size + t0], sc);
-                } else {
-                  alignas(64) float tmp[kW];
-                  vstore(tmp, sc);
-                  std::copy(tmp, tmp + cnt, &scores[j * block_size + t0]);
+        for (int64_t span0 = lo / block_size * block_size; span0 < len; span0 += span) {
+          const int span_n = static_cast<int>(std::min(span, len - span0));
+          // q.k of the span's blocks into scores[j][0, span_n).
+          for (int64_t start = span0; start < span0 + span_n; start += block_size) {
+            const int64_t block = table[start / block_size];
+            const int n = static_cast<int>(std::min(block_size, len - start));
+            const int off = static_cast<int>(start - span0);
+            const bool has_next = start + block_size < len;
+            const int64_t next_base = has_next ? table[start / block_size + 1] * block_size * token_stride : 0;
+            for (int hh = 0; hh < hpt; ++hh) {
+              const int64_t base = block * block_size * token_stride + (h0 + hh) * HD;
+              const C* next_k = has_next ? k_cache + next_base + (h0 + hh) * HD : nullptr;
+              int64_t kstride;
+              const KRow* krows = k_rows(k_cache + base, token_stride, n, kbuf.data(), kstride);
+              // q.k for the G query heads of this kv head, kW tokens at a time.
+              for (int g = 0; g < G; ++g) {
+                const int j = hh * G + g;
+                const float* qrow = &qf_all[j * HD];
+                const uint16_t* qb = &qb_all[j * HD];
+                float* srow = &scores[j * span + off];
+                for (int t0 = 0; t0 < n; t0 += kW) {
+                  const int cnt = std::min(kW, n - t0);
+                  // While reading this head's rows of these tokens, fetch a G-th of the same rows of the next
+                  // block (blocks sit anywhere in the pool, so the hardware prefetcher cannot guess where they are).
+                  if (next_k != nullptr)
+                    for (int tt = 0; tt < cnt; ++tt)
+                      prefetch_part(next_k + (t0 + tt) * token_stride, HD * static_cast<int64_t>(sizeof(C)), g, G);
+                  vf part[kW];
+                  dot_partials(qrow, qb, krows + t0 * kstride, kstride, cnt, part);
+                  const vf sc = vmul(vhsum(part), vset(scale));
+                  if (cnt == kW) {
+                    vstore(srow + t0, sc);
+                  } else {
+                    alignas(64) float tmp[kW];
+                    vstore(tmp, sc);
+                    std::copy(tmp, tmp + cnt, srow + t0);
+                  }
                 }
               }
             }
           }
-          mask_before_window(scores.data(), nq, block_size, lo - start);
-          mask_hidden_keys(scores.data(), nq, block_size, hid, len, start, n);
-          add_alibi(scores.data(), nq, block_size, n, alibi == nullptr ? nullptr : alibi + q0 % p.num_heads,
-                    start - (len - 1));
+          mask_before_window(scores.data(), nq, span, lo - span0);
+          mask_hidden_keys(scores.data(), nq, span, hid, len, span0, span_n);
+          add_alibi(scores.data(), nq, span, span_n, alibi == nullptr ? nullptr : alibi + q0 % p.num_heads,
+                    span0 - (len - 1));
           for (int j = 0; j < nq; ++j) {
-            float* sc = &scores[j * block_size];
-            const float new_max = std::max(m[j], max_of(sc, n));
-            // A block wholly hidden by the tree before any visible key: probabilities 0, nothing to rescale.
+            float* sc = &scores[j * span];
+            const float new_max = std::max(m[j], max_of(sc, span_n));
+            // A span wholly hidden by the tree before any visible key: probabilities 0, nothing to rescale.
             if (hid != 0 && new_max == -std::numeric_limits<float>::infinity()) {
-              std::fill(sc, sc + n, 0.f);
+              std::fill(sc, sc + span_n, 0.f);
               continue;
             }
             const float r = move_max(m[j], new_max);
-            l[j] = l[j] * r + exp_shift_sum(sc, m[j], n);
+            l[j] = l[j] * r + exp_shift_sum(sc, m[j], span_n);
             if (r != 1.f) scale_row(&acc[j * HD], r, HD);
           }
-          for (int hh = 0; hh < hpt; ++hh)
-            accumulate_pv(v_cache + block * block_size * token_stride + (h0 + hh) * HD,
-                          has_next ? v_cache + next_base + (h0 + hh) * HD : nullptr, token_stride,
-                          &scores[hh * G * block_size], block_size, n, &acc[hh * G * HD]);
+          // p.v of the span's blocks.
+          for (int64_t start = span0; start < span0 + span_n; start += block_size) {
+            const int64_t block = table[start / block_size];
+            const int n = static_cast<int>(std::min(block_size, len - start));
+            const int off = static_cast<int>(start - span0);
+            const bool has_next = start + block_size < len;
+            const int64_t next_base = has_next ? table[start / block_size + 1] * block_size * token_stride : 0;
+            for (int hh = 0; hh < hpt; ++hh)
+              accumulate_pv(v_cache + block * block_size * token_stride + (h0 + hh) * HD,
+                            has_next ? v_cache + next_base + (h0 + hh) * HD : nullptr, token_stride,
+                            &scores[hh * G * span + off], span, n, &acc[hh * G * HD]);
+          }
         }
         for (int j = 0; j < nq; ++j) {
           scale_row(&acc[j * HD], 1.f / l[j], HD);
@@ -276,15 +335,24 @@ struct FastDecode {
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < NV; ++c) vstore(acc + g * HD + kW * c, a[g][c]);
     } else {
-      for (int c = 0; c < NV; ++c) {
-        vf a[G];
-        for (int g = 0; g < G; ++g) a[g] = vload(acc + g * HD + kW * c);
+      // CW columns of the G heads at a time: G * CW independent accumulator chains. One column at a time (G
+      // chains, as few as 1-3) left the FMAs waiting on their own latency, ~2x slower on AVX2 for G = 3.
+      for (int c0 = 0; c0 < NV; c0 += kPvCols) {
+        vf a[G][kPvCols];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < kPvCols; ++c) a[g][c] = vload(acc + g * HD + kW * (c0 + c));
         for (int t = 0; t < n; ++t) {
-          if (next_v != nullptr) prefetch_part(next_v + t * token_stride, kRowBytes, c, NV);
-          const vf vv = vload(v + t * token_stride + kW * c);
-          for (int g = 0; g < G; ++g) a[g] = vfma(vset(probs[g * probs_stride + t]), vv, a[g]);
+          if (next_v != nullptr) prefetch_part(next_v + t * token_stride, kRowBytes, c0 / kPvCols, NV / kPvCols);
+          const C* vrow = v + t * token_stride + kW * c0;
+          vf pb[G];
+          for (int g = 0; g < G; ++g) pb[g] = vset(probs[g * probs_stride + t]);
+          for (int c = 0; c < kPvCols; ++c) {
+            const vf vv = vload(vrow + kW * c);
+            for (int g = 0; g < G; ++g) a[g][c] = vfma(pb[g], vv, a[g][c]);
+          }
         }
-        for (int g = 0; g < G; ++g) vstore(acc + g * HD + kW * c, a[g]);
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < kPvCols; ++c) vstore(acc + g * HD + kW * (c0 + c), a[g][c]);
       }
     }
   }
