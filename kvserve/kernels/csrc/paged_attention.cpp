@@ -130,6 +130,22 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
 // C: the cache's element type, T's or an fp8. An fp8 block's K rows of one kv head are widened to fp32 once
 // (k_rows), not once per query head of the group, and the q.k loop reads them there; V rows are widened as
 // the p.v loop loads them, once per element already.
+// Block `start / block_size` of a row's context, as both passes over a softmax span (q.k, then p.v) walk it: its pool
+// index, its keys (n), its offset in the span's scores, and the element offset of the next block (prefetched
+// alongside) if the context goes on.
+struct SpanBlock {
+  int64_t block, next_base;
+  int n, off;
+  bool has_next;
+};
+
+inline SpanBlock span_block(const int32_t* table, int64_t start, int64_t span0, int64_t len, int64_t block_size,
+                            int64_t token_stride) {
+  const bool has_next = start + block_size < len;
+  return {table[start / block_size], has_next ? table[start / block_size + 1] * block_size * token_stride : 0,
+          static_cast<int>(std::min(block_size, len - start)), static_cast<int>(start - span0), has_next};
+}
+
 template <int HD, int G, typename T, typename C = T>
 struct FastDecode {
   static constexpr int NV = HD / kW;  // vectors per head row
@@ -240,11 +256,10 @@ struct FastDecode {
           const int span_n = static_cast<int>(std::min(span, len - span0));
           // q.k of the span's blocks into scores[j][0, span_n).
           for (int64_t start = span0; start < span0 + span_n; start += block_size) {
-            const int64_t block = table[start / block_size];
-            const int n = static_cast<int>(std::min(block_size, len - start));
-            const int off = static_cast<int>(start - span0);
-            const bool has_next = start + block_size < len;
-            const int64_t next_base = has_next ? table[start / block_size + 1] * block_size * token_stride : 0;
+            const SpanBlock sb = span_block(table, start, span0, len, block_size, token_stride);
+            const int64_t block = sb.block, next_base = sb.next_base;
+            const int n = sb.n, off = sb.off;
+            const bool has_next = sb.has_next;
             for (int hh = 0; hh < hpt; ++hh) {
               const int64_t base = block * block_size * token_stride + (h0 + hh) * HD;
               const C* next_k = has_next ? k_cache + next_base + (h0 + hh) * HD : nullptr;
@@ -295,11 +310,10 @@ struct FastDecode {
           }
           // p.v of the span's blocks.
           for (int64_t start = span0; start < span0 + span_n; start += block_size) {
-            const int64_t block = table[start / block_size];
-            const int n = static_cast<int>(std::min(block_size, len - start));
-            const int off = static_cast<int>(start - span0);
-            const bool has_next = start + block_size < len;
-            const int64_t next_base = has_next ? table[start / block_size + 1] * block_size * token_stride : 0;
+            const SpanBlock sb = span_block(table, start, span0, len, block_size, token_stride);
+            const int64_t block = sb.block, next_base = sb.next_base;
+            const int n = sb.n, off = sb.off;
+            const bool has_next = sb.has_next;
             for (int hh = 0; hh < hpt; ++hh)
               accumulate_pv(v_cache + block * block_size * token_stride + (h0 + hh) * HD,
                             has_next ? v_cache + next_base + (h0 + hh) * HD : nullptr, token_stride,
