@@ -123,38 +123,32 @@ inline W load_w(const uint8_t* p) {
 inline IAcc izero() { return {{_mm256_setzero_si256(), _mm256_setzero_si256()}}; }
 inline IAcc step(IAcc a, const W& w, const int8_t* x) {
   const __m256i xl = _mm256_set1_epi32(load_quad(x)), xh = _mm256_set1_epi32(load_quad(x + 4));
-  for (int i = 0; i < 2; ++i) {
-    a.h[i] = _mm256_add_epi16(a.h[i], _mm256_maddubs_epi16(w.lo[i], xl));
-    a.h[i] = _mm256_add_epi16(a.h[i], _mm256_maddubs_epi16(w.hi[i], xh));
-    // Keeps each step's sum in its register: without it GCC reassociates a tile's int16 sums, computes every
-    // vpmaddubsw of a block first and spills them all to the stack.
-    __asm__("" : "+x"(a.h[i]));
-  }
+  // The barriers keep each step's sums in their registers: without them GCC reassociates a tile's int16 sums,
+  // computes every vpmaddubsw of a block first and spills them all to the stack. The two channel halves alternate
+  // so that consecutive adds do not wait on each other.
+  for (int i = 0; i < 2; ++i) a.h[i] = _mm256_add_epi16(a.h[i], _mm256_maddubs_epi16(w.lo[i], xl));
+  __asm__("" : "+x"(a.h[0]), "+x"(a.h[1]));
+  for (int i = 0; i < 2; ++i) a.h[i] = _mm256_add_epi16(a.h[i], _mm256_maddubs_epi16(w.hi[i], xh));
+  __asm__("" : "+x"(a.h[0]), "+x"(a.h[1]));
   return a;
 }
 inline void widen(IAcc a, vi* out) {
   for (int i = 0; i < 2; ++i) out[i] = _mm256_madd_epi16(a.h[i], _mm256_set1_epi16(1));
 }
 // Batched rows on AVX2: a panel's codes are unpacked once per row block into a buffer of W records (kUnpacked
-// bytes per step, the same vectors load_w makes), so the tiles' inner loop is loads, vpmaddubsw and vpaddw only: the
-// mask-and-shift unpacking (6 of the ~28 vector operations of a step for 2 rows) leaves the loop, and without the
-// packed vectors' registers a tile takes kMRU rows instead of kMR.
+// bytes per step, the same vectors load_w makes; after a block's 4 steps its d and m, converted to fp32), so the
+// tiles' inner loop is loads, vpmaddubsw and vpaddw only: the mask-and-shift unpacking (6 of the ~28 vector
+// operations of a step for 2 rows) leaves the loop, and without the packed vectors' registers a tile takes kMRU rows
+// instead of kMR (tile_unpacked).
 #define KVSERVE_INT4_UNPACKED 1
 constexpr int kMRU = 4;
-constexpr int kUnpacked = 4 * 32;
+constexpr int kUnpacked = 4 * 32;                            // one step's W
+constexpr int kUnpackedBlock = 4 * kUnpacked + 2 * kNP * 4;  // a block: 4 steps, then d and m in fp32
 inline void store_w(const W& w, uint8_t* p) {
   for (int i = 0; i < 2; ++i) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(p + 64 * i), w.lo[i]);
     _mm256_store_si256(reinterpret_cast<__m256i*>(p + 64 * i + 32), w.hi[i]);
   }
-}
-inline W load_unpacked(const uint8_t* p) {
-  W w;
-  for (int i = 0; i < 2; ++i) {
-    w.lo[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 64 * i));
-    w.hi[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 64 * i + 32));
-  }
-  return w;
 }
 #else
 constexpr int kMR = 4;
@@ -198,12 +192,24 @@ struct PackedCodes {
   int64_t kb;
   W operator()(int64_t p, int64_t b, int j) const { return load_w(wp + (p * kb + b) * kRecord + j * kStepBytes); }
 };
-#if defined(KVSERVE_INT4_UNPACKED)
-struct UnpackedCodes {
-  const uint8_t* buf;  // one panel: kUnpacked bytes per (block, step), in that order
-  W operator()(int64_t /*p*/, int64_t b, int j) const { return load_unpacked(buf + (4 * b + j) * kUnpacked); }
-};
-#endif
+
+// One row's outputs of the panel whose first column is c0: its 16 sums (+ bias) into yr's columns below n.
+template <typename TO>
+inline void store_panel_row(const vf* sums, const float* bias, TO* yr, int64_t c0, int64_t n) {
+  for (int v = 0; v < kFV; ++v) {
+    const int64_t c = c0 + v * kW;
+    if (c >= n) break;
+    vf out = sums[v];
+    if (bias != nullptr) out = vadd(out, vload(bias + c));
+    if (n - c >= kW) {
+      vstore(yr + c, out);
+    } else {
+      alignas(64) float tmp[kW];
+      vstore(tmp, out);
+      for (int64_t i = 0; i < n - c; ++i) yr[c + i] = static_cast<TO>(tmp[i]);
+    }
+  }
+}
 
 // R rows x G panels, all blocks: facc[r][g] accumulates the panel's 16 outputs for row r across blocks.
 template <int R, int G, typename TO, typename Codes = PackedCodes>
@@ -251,24 +257,69 @@ inline void tile(const Rows& x, int64_t r0, const uint8_t* wp, int64_t p0, const
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) {
-      const int64_t c0 = (p0 + g) * kNP;
+    for (int g = 0; g < G; ++g) store_panel_row(facc[r][g], bias, y + (r0 + r) * ldy, (p0 + g) * kNP, n);
+}
+
+#if defined(KVSERVE_INT4_UNPACKED)
+// R rows x one panel from an unpacked panel (AVX2), the same arithmetic as tile<R, 1>. The 8 int16 sums and a
+// step's 4 code vectors take 12 of the 16 registers, so the fp32 sums live in memory (touched once per block), and
+// the code vectors are pinned: left to GCC, tile<4, 1> kept the fp32 sums in registers and reloaded the codes for
+// every row (16 more loads a step; this tile is ~1.15x faster on Zen 3).
+template <int R, typename TO>
+inline void tile_unpacked(const Rows& x, int64_t r0, const uint8_t* u, int64_t p0, const float* bias, TO* y,
+                          int64_t ldy, int64_t n) {
+  alignas(32) float acc[R][kNP] = {};
+  const int64_t kb = x.kb;
+  const int8_t* q = x.q + r0 * kb * kQB;
+  const float* dxs = x.dx + r0 * kb;
+  const float* mxs = x.mx + r0 * kb;
+  for (int64_t b = 0; b < kb; ++b) {
+    const uint8_t* blk = u + b * kUnpackedBlock;
+    IAcc iacc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) iacc[r] = izero();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256i* wv = reinterpret_cast<const __m256i*>(blk + j * kUnpacked);
+      __m256i w0 = _mm256_load_si256(wv), w1 = _mm256_load_si256(wv + 1), w2 = _mm256_load_si256(wv + 2),
+              w3 = _mm256_load_si256(wv + 3);
+      // Pins the step's code vectors in registers for all rows (GCC otherwise spills and reloads them per row).
+      __asm__("" : "+x"(w0), "+x"(w1), "+x"(w2), "+x"(w3));
+      const W w{{w0, w2}, {w1, w3}};  // the order store_w wrote
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) iacc[r] = step(iacc[r], w, q + r * kb * kQB + b * kQB + 8 * j);
+      __asm__("" : "+x"(w0), "+x"(w1), "+x"(w2), "+x"(w3));
+    }
+    const float* d = reinterpret_cast<const float*>(blk + 4 * kUnpacked);
+    const float* m = d + kNP;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const vf dx = vset(dxs[r * kb + b]), mx = vset(mxs[r * kb + b]);
+      vi s[kFV];
+      widen(iacc[r], s);
+#pragma GCC unroll 4
       for (int v = 0; v < kFV; ++v) {
-        const int64_t c = c0 + v * kW;
-        if (c >= n) break;
-        vf out = facc[r][g][v];
-        if (bias != nullptr) out = vadd(out, vload(bias + c));
-        TO* yr = y + (r0 + r) * ldy + c;
-        if (n - c >= kW) {
-          vstore(yr, out);
-        } else {
-          alignas(64) float tmp[kW];
-          vstore(tmp, out);
-          for (int64_t i = 0; i < n - c; ++i) yr[i] = static_cast<TO>(tmp[i]);
-        }
+        const vf t = vfma(vitof(s[v]), vmul(vload(d + v * kW), dx), vload(acc[r] + v * kW));
+        vstore(acc[r] + v * kW, vfma(vload(m + v * kW), mx, t));
       }
     }
+  }
+  for (int r = 0; r < R; ++r) {
+    vf sums[kFV];
+    for (int v = 0; v < kFV; ++v) sums[v] = vload(acc[r] + v * kW);
+    store_panel_row(sums, bias, y + (r0 + r) * ldy, p0 * kNP, n);
+  }
 }
+
+template <int MR, typename TO>
+inline void tail_unpacked(int rows, const Rows& x, int64_t r0, const uint8_t* u, int64_t p, const float* bias, TO* y,
+                          int64_t ldy, int64_t n) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return tile_unpacked<MR, TO>(x, r0, u, p, bias, y, ldy, n);
+    tail_unpacked<MR - 1, TO>(rows, x, r0, u, p, bias, y, ldy, n);
+  }
+}
+#endif
 
 template <int R, typename TO, typename Codes, int MR = R>
 inline void tail_rows(int rows, const Rows& x, int64_t r0, const uint8_t* wp, int64_t p, const float* bias, TO* y,
@@ -302,16 +353,20 @@ void gemm_int4(const Rows& x, const uint8_t* wp, const float* bias, TO* y, int64
       if (i < mcur) tail_rows<kMR - 1, TO>(static_cast<int>(mcur - i), x, m0 + i, wp, p, bias, y, N, N, packed);
       return;
     }
-    // This thread's panel p, unpacked for the row block's tiles (a panel of K = 1536 takes 24 KiB).
+    // This thread's panel p, unpacked for the row block's tiles (a panel of K = 1536 takes 30 KiB).
     thread_local std::vector<uint8_t> buf;
-    buf.resize(x.kb * 4 * kUnpacked + 32);
+    buf.resize(x.kb * kUnpackedBlock + 32);
     uint8_t* u = buf.data() + (-reinterpret_cast<uintptr_t>(buf.data()) & 31);  // 32-byte aligned
-    for (int64_t b = 0; b < x.kb; ++b)
-      for (int j = 0; j < 4; ++j) store_w(packed(p, b, j), u + (4 * b + j) * kUnpacked);
-    const UnpackedCodes codes{u};
+    for (int64_t b = 0; b < x.kb; ++b) {
+      uint8_t* blk = u + b * kUnpackedBlock;
+      for (int j = 0; j < 4; ++j) store_w(packed(p, b, j), blk + j * kUnpacked);
+      const uint16_t* dm = reinterpret_cast<const uint16_t*>(wp + (p * x.kb + b) * kRecord + kCodeBytes);
+      float* f = reinterpret_cast<float*>(blk + 4 * kUnpacked);
+      for (int v = 0; v < 2 * kFV; ++v) vstore(f + v * kW, vload_half(dm + v * kW));
+    }
     int64_t i = 0;
-    for (; i + kMRU <= mcur; i += kMRU) tile<kMRU, 1, TO>(x, m0 + i, wp, p, bias, y, N, N, codes);
-    if (i < mcur) tail_rows<kMRU - 1, TO>(static_cast<int>(mcur - i), x, m0 + i, wp, p, bias, y, N, N, codes);
+    for (; i + kMRU <= mcur; i += kMRU) tile_unpacked<kMRU, TO>(x, m0 + i, u, p, bias, y, N, N);
+    if (i < mcur) tail_unpacked<kMRU - 1, TO>(static_cast<int>(mcur - i), x, m0 + i, u, p, bias, y, N, N);
   });
 #else
   const int64_t mc = row_block_rows(M, x.kb * kQB, kMR);
