@@ -45,11 +45,10 @@ def test_decode_rejects_other_types():
 
 
 def test_embedded_model_tensors_decode_exactly_and_requantize_within_half_a_step(smollm2_gguf):
-    from kvserve.loader.gguf_weights import _reader
+    from kvserve.loader.gguf_weights import _read
 
-    reader = _reader(smollm2_gguf)
     picked = {}
-    for t in reader.tensors:
+    for t in _read(smollm2_gguf).tensors:
         if t.tensor_type.name in SUPPORTED and t.tensor_type.name not in picked and t.name.startswith("blk."):
             picked[t.tensor_type.name] = t
     assert "Q4_1" in picked
@@ -61,3 +60,19 @@ def test_embedded_model_tensors_decode_exactly_and_requantize_within_half_a_step
         w = torch.from_numpy(dec.to_float())
         codes, scale = quantize_per_channel(w)
         assert ((codes.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-5 * w.abs()).all()
+
+
+def test_parsed_file_cache_holds_few_collector_objects(smollm2_gguf):
+    # The cached parse lives as long as the process: GGUFReader itself (a memmap with a dict per part of every
+    # vocabulary entry, ~500k objects) made every full garbage collection of an offline engine walk them.
+    import gc
+
+    from kvserve.loader.gguf_weights import _read
+
+    _read.cache_clear()
+    gc.collect()
+    before = len(gc.get_objects())
+    parsed = _read(smollm2_gguf)
+    gc.collect()
+    assert len(gc.get_objects()) - before < 5_000
+    assert parsed.fields["general.architecture"] == "llama" and len(parsed.tensors) > 200
