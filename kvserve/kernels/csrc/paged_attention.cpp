@@ -118,18 +118,6 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
   });
 }
 
-// ---------------------------------------------------------------- fast path (head_dim 64/128, small GQA groups)
-//
-// Same tasks and online softmax as decode_kernel, with short hot loops:
-// - q.k: per query head, kW tokens' dot products are accumulated as kW vectors and reduced together by vhsum;
-//   with a bf16 cache and AVX512-BF16, `dpbf16ps` multiplies raw bf16 q and k pairs (exact products, fp32 sums);
-// - p.v: the accumulators stay in registers while a block's tokens stream through: all G x NV of them where they
-//   fit (AVX-512's 32 registers), otherwise one kW-wide column of the G heads at a time (AVX2's 16), re-reading
-//   the block's V rows from L1 for each column.
-//
-// C: the cache's element type, T's or an fp8. An fp8 block's K rows of one kv head are widened to fp32 once
-// (k_rows), not once per query head of the group, and the q.k loop reads them there; V rows are widened as
-// the p.v loop loads them, once per element already.
 // Block `start / block_size` of a row's context, as both passes over a softmax span (q.k, then p.v) walk it: its pool
 // index, its keys (n), its offset in the span's scores, and the element offset of the next block (prefetched
 // alongside) if the context goes on.
@@ -146,6 +134,19 @@ inline SpanBlock span_block(const int32_t* table, int64_t start, int64_t span0, 
           static_cast<int>(std::min(block_size, len - start)), static_cast<int>(start - span0), has_next};
 }
 
+// ---------------------------------------------------------------- fast path (head_dim 64/128, small GQA groups)
+//
+// Same tasks and online softmax as decode_kernel, with short hot loops:
+// - q.k: per query head, kW tokens' dot products are accumulated as kW vectors and reduced together by vhsum;
+//   with a bf16 cache and AVX512-BF16, `dpbf16ps` multiplies raw bf16 q and k pairs (exact products, fp32 sums);
+// - p.v: the accumulators stay in registers while a block's tokens stream through: all G x NV of them where they
+//   fit (AVX-512's 32 registers), otherwise kPvCols kW-wide columns of the G heads a pass (AVX2's 16), re-reading
+//   the block's V rows from L1 for each pass;
+// - the running max and rescales step once per span of ~kSpanKeys keys, not per block.
+//
+// C: the cache's element type, T's or an fp8. An fp8 block's K rows of one kv head are widened to fp32 once
+// (k_rows), not once per query head of the group, and the q.k loop reads them there; V rows are widened as
+// the p.v loop loads them, once per element already.
 template <int HD, int G, typename T, typename C = T>
 struct FastDecode {
   static constexpr int NV = HD / kW;  // vectors per head row
