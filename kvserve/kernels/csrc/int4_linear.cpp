@@ -201,13 +201,7 @@ inline void store_panel_row(const vf* sums, const float* bias, TO* yr, int64_t c
     if (c >= n) break;
     vf out = sums[v];
     if (bias != nullptr) out = vadd(out, vload(bias + c));
-    if (n - c >= kW) {
-      vstore(yr + c, out);
-    } else {
-      alignas(64) float tmp[kW];
-      vstore(tmp, out);
-      for (int64_t i = 0; i < n - c; ++i) yr[c + i] = static_cast<TO>(tmp[i]);
-    }
+    vstore_n(yr + c, out, n - c);
   }
 }
 

@@ -137,13 +137,7 @@ inline void finish_vec(vi a, int v, float row_scale, const PanelEpilogue& e, TO*
   // the GEMV and the GEMM), so a row's output does not depend on its batch.
   const vf a_f = vitof(a), s = vmul(vset(row_scale), vload(e.scale + c0));
   const vf r = e.bias != nullptr ? vfma(a_f, s, vload(e.bias + c0)) : vmul(a_f, s);
-  if (ncols - c0 >= kW) {
-    vstore(y + c0, r);
-  } else {
-    alignas(64) float tmp[kW];
-    vstore(tmp, r);
-    for (int c = 0; c < ncols - c0; ++c) y[c0 + c] = static_cast<TO>(tmp[c]);
-  }
+  vstore_n(y + c0, r, ncols - c0);
 }
 
 static_assert(kNV == 2, "the tiles below are written for two vectors per panel row");

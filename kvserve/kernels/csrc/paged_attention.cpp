@@ -282,13 +282,7 @@ struct FastDecode {
                   vf part[kW];
                   dot_partials(qrow, qb, krows + t0 * kstride, kstride, cnt, part);
                   const vf sc = vmul(vhsum(part), vset(scale));
-                  if (cnt == kW) {
-                    vstore(srow + t0, sc);
-                  } else {
-                    alignas(64) float tmp[kW];
-                    vstore(tmp, sc);
-                    std::copy(tmp, tmp + cnt, srow + t0);
-                  }
+                  vstore_n(srow + t0, sc, cnt);
                 }
               }
             }

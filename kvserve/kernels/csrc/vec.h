@@ -321,6 +321,14 @@ inline vi vbf16_rounded_hi(vf v) {
   return visrl<16>(viadd(b, viadd(lsb, viset(0x7FFF))));
 }
 inline void vstore(at::BFloat16* p, vf v) { vstore_bf16_bits(reinterpret_cast<uint16_t*>(p), vbf16_rounded_hi(v)); }
+// The first `count` lanes of v (all of them when count >= kW): the last columns of a row.
+template <typename TO>
+inline void vstore_n(TO* p, vf v, int64_t count) {
+  if (count >= kW) return vstore(p, v);
+  alignas(64) float tmp[kW];
+  vstore(tmp, v);
+  for (int64_t i = 0; i < count; ++i) p[i] = static_cast<TO>(tmp[i]);
+}
 
 // Round each lane to T's precision (fp32: identity; bf16: nearest even).
 inline vf vround(float, vf v) { return v; }
