@@ -38,6 +38,7 @@ _SOURCES = [
         "int8_linear.cpp",
         "int4_linear.cpp",
         "decoder_layer.cpp",
+        "decoder_layer_row.cpp",
     )
 ]
 

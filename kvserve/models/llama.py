@@ -22,6 +22,7 @@ from torch import nn
 from kvserve.attention.base import AttentionBackend, KVCache
 from kvserve.config import ArchConfig
 from kvserve.distributed.parallel_state import get_tp_group
+from kvserve.kernels.cpu import load_cpu_kernels
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import QKNorm, RMSNorm
@@ -246,6 +247,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = get_tp_group()
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         self._all_fused = False  # every layer runs the C++ layer where it can (prepare_for_inference decides)
+        self._stack: Any = None  # ... and then all of them in one call (_layer_stack)
         if cfg.tie_word_embeddings:
             # Registered after `model`, so named_parameters() lists it once, as model.embed_tokens.weight.
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -259,6 +261,22 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.prepare_fused()
         self._all_fused = all(layer._fused is not None for layer in self.model.layers)
+        self._stack = self._layer_stack() if self._all_fused else None
+
+    def _layer_stack(self) -> Any:
+        """Every layer's fixed C++ arguments in one kernels.LlamaLayerStack (kernels/csrc/decoder_layer.h), so that
+        a step crosses into C++ once rather than once per layer; None where the layers are not the CPU kernels'."""
+        kernels = load_cpu_kernels()
+        layers = self.model.layers
+        if kernels is None or any(layer._fused[0] is not kernels.llama_decoder_layer for layer in layers):
+            return None
+        stack = kernels.LlamaLayerStack()
+        for layer in layers:
+            _, norms, linears, qkv_bias, sizes, eps, attn, rotary = layer._fused
+            stack.add_layer(
+                norms, linears, qkv_bias, sizes, eps, rotary.cos, rotary.sin, attn.scale, attn.sliding_window or 0
+            )
+        return stack
 
     def forward(
         self,
@@ -277,6 +295,13 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         fused_args = layers[0].fused_args(attn_metadata) if layer_hooks is None and self._all_fused else None
         if fused_args is not None:
+            # Key offsets (fp8 caches) are set after loading and are not in the stack: per-layer calls then.
+            if self._stack is not None and layers[0]._fused[6].k_offset is None:
+                slot_mapping, block_table, seq_lens, packed, hidden_keys = fused_args
+                x, residual = self._stack.forward(
+                    x, positions, kv_caches, slot_mapping, block_table, seq_lens, packed, hidden_keys
+                )
+                return x + residual
             # Every layer in one C++ call each, without nn.Module's call path (~10 us a layer at batch 1).
             for layer, kv_cache in zip(layers, kv_caches, strict=True):
                 x, residual = layer.forward_fused(positions, x, residual, kv_cache, fused_args)

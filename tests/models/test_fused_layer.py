@@ -5,6 +5,7 @@ batches, prefill chunks and (with deterministic=False) steps with SDPA prompt sp
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention import cpu_kernels
@@ -59,8 +60,10 @@ def test_fused_layer_is_bitwise_the_module_path(
         quantization=quantization,
         deterministic=deterministic,
     )
-    layers = llm.engine.engine_core.executor.driver_runner.model.model.layers
+    model = llm.engine.engine_core.executor.driver_runner.model
+    layers = model.model.layers
     assert all(layer._fused is not None for layer in layers), "the fused layer should run this model"
+    assert model._stack is not None and model._stack.num_layers == len(layers)  # one C++ call a step
     if quantization:
         assert isinstance(layers[0].mlp.down_proj, Int8Linear)
     if dtype == "bfloat16":
@@ -92,3 +95,43 @@ def test_fused_layer_subtracts_the_fp8_key_offsets_as_the_module_path_does(tiny_
     monkeypatch.setattr(LlamaDecoderLayer, "use_fused", False)
     llm.reset_prefix_cache()
     assert _run(llm, prompts) == fused
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "float32",
+        pytest.param(
+            "bfloat16", marks=pytest.mark.skipif(not cpu_info().native_bf16, reason="bf16 compute needs native bf16")
+        ),
+    ],
+)
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias-tied"])
+def test_one_row_int4_layer_is_bitwise_the_module_path(tiny_model_factory, name, dtype, monkeypatch):
+    """Batch-1 decode steps with int4 linears run the whole layer in one parallel region (decoder_layer_row.cpp):
+    the same tokens and logprobs, to the last bit, as the kernel-by-kernel fused layer and as the module path, on
+    1 and 2 threads (a request alone, so every decode step is a single row)."""
+    kernels = load_cpu_kernels()
+    llm = LLM(tiny_model_factory(name), dtype=dtype, max_model_len=256, quantization="int4")
+    layers = llm.engine.engine_core.executor.driver_runner.model.model.layers
+    assert all(layer._fused is not None for layer in layers)
+    prompts = [[5 + i for i in range(40)], [9] * 7, [11, 12, 13]]
+
+    def alone() -> list:
+        llm.reset_prefix_cache()
+        return [_run(llm, [p])[0] for p in prompts]
+
+    one_region = alone()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_thread = alone()
+    finally:
+        torch.set_num_threads(threads)
+    assert kernels.decoder_layer_row_set_enabled(False)
+    try:
+        by_kernel = alone()
+    finally:
+        kernels.decoder_layer_row_set_enabled(True)
+    monkeypatch.setattr(LlamaDecoderLayer, "use_fused", False)
+    assert alone() == by_kernel == one_region == one_thread

@@ -11,6 +11,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "region.h"
+
 namespace kvserve {
 
 struct PagedShape {
@@ -50,16 +52,25 @@ inline int64_t heads_per_task(const PagedShape& p) {
 
 // Runs every task over the threads in interleaved order. make_worker() is called once per thread's range and
 // returns the callable worker(seq, first_kv_head), which owns that range's scratch buffers.
+// Called inside a caller's own OpenMP region (decoder_layer_row.cpp runs a whole batch-1 layer in one), each of
+// that region's threads runs its share of the tasks instead: the same tasks, so the same results bit for bit.
 template <typename MakeWorker>
 void parallel_over_tasks(const PagedShape& p, int64_t heads_per_task, MakeWorker&& make_worker) {
   const int64_t tasks_per_seq = p.num_kv_heads / heads_per_task, n = p.num_seqs * tasks_per_seq;
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  const auto run = [&](int64_t begin, int64_t end) {
+    if (begin >= end) return;
     auto worker = make_worker();
     for (int64_t i = begin; i < end; ++i) {
       const int64_t task = interleaved(i, n);
       worker(task / tasks_per_seq, (task % tasks_per_seq) * heads_per_task);
     }
-  });
+  };
+  if (omp_in_parallel()) {
+    const RegionShare share = region_share(n);
+    run(share.begin, share.end);
+  } else {
+    at::parallel_for(0, n, 1, run);
+  }
 }
 
 // The first key position a query row of context length len sees: with a sliding window (window > 0), its last

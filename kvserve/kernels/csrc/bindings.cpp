@@ -2,6 +2,7 @@
 
 #include <torch/extension.h>
 
+#include "decoder_layer.h"
 #include "vec.h"
 
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
@@ -39,16 +40,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor panels, at::Tensor scale, at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_quantize_rows(at::Tensor x);
 at::Tensor int4_linear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias,
                        at::ScalarType out_dtype);
-std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::optional<at::Tensor> residual,
-                                                       std::vector<at::Tensor> norms,
-                                                       std::vector<std::vector<at::Tensor>> linears,
-                                                       c10::optional<at::Tensor> qkv_bias, std::vector<int64_t> sizes,
-                                                       double eps, at::Tensor positions, at::Tensor cos,
-                                                       at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
-                                                       at::Tensor slot_mapping, at::Tensor block_table,
-                                                       at::Tensor seq_lens, double scale, bool packed,
-                                                       int64_t window, c10::optional<at::Tensor> k_offset,
-                                                       c10::optional<at::Tensor> hidden_keys);
+bool decoder_layer_row_set_enabled(bool on);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_isa", [] { return std::string(kvserve::kVecIsa); }, "the vector helpers this library was built with");
@@ -101,6 +93,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("packed"),
         py::arg("window"), py::arg("k_offset"), py::arg("hidden_keys") = py::none());
+  py::class_<LlamaLayerStack>(m, "LlamaLayerStack", "every decoder layer of a model in one call (decoder_layer.h)")
+      .def(py::init<>())
+      .def("add_layer", &LlamaLayerStack::add_layer, py::arg("norms"), py::arg("linears"), py::arg("qkv_bias"),
+           py::arg("sizes"), py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("scale"), py::arg("window"))
+      .def("forward", &LlamaLayerStack::forward, py::arg("x"), py::arg("positions"), py::arg("kv_caches"),
+           py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"), py::arg("packed"),
+           py::arg("hidden_keys") = py::none())
+      .def_property_readonly("num_layers", &LlamaLayerStack::num_layers);
+  m.def("decoder_layer_row_set_enabled", &decoder_layer_row_set_enabled,
+        "turn the one-region batch-1 int4 layer (decoder_layer_row.cpp) on or off; returns the previous setting",
+        py::arg("on"));
   m.def("sample_gumbel", &sample_gumbel, "one categorical draw per row of logits (Gumbel-max, hashed noise)");
   m.def("argmax_rows", &argmax_rows, "each row's argmax as torch.argmax(dim=-1): first maximum, NaN wins");
   m.def("topk_rows", &topk_rows, "each row's k largest entries, largest first, ties to the lower index");

@@ -6,8 +6,11 @@
 // (LlamaDecoderLayer.forward), so its results are bitwise those of the module path; what it removes is the
 // ~60-70 us per layer of Python and dispatch between them (about 2 ms of a ~20 ms batch-1 step on a 30-layer model).
 
+#include "decoder_layer.h"
+
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -28,6 +31,15 @@ at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window,
                                   c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys);
+
+// decoder_layer_row.cpp: one query row, int4 linears, in one parallel region (nullopt where it does not apply).
+std::optional<std::tuple<at::Tensor, at::Tensor>> llama_decoder_layer_row(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual, const std::vector<at::Tensor>& norms,
+    const std::vector<std::vector<at::Tensor>>& linears, const c10::optional<at::Tensor>& qkv_bias,
+    const std::vector<int64_t>& sizes, double eps, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, bool packed, int64_t window,
+    const c10::optional<at::Tensor>& k_offset, const c10::optional<at::Tensor>& hidden_keys);
 
 namespace {
 
@@ -68,6 +80,12 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::option
   const int64_t qkv_n = sizes[0], o_n = sizes[1], gate_up_n = sizes[2], down_n = sizes[3];
   const int64_t num_heads = sizes[4], num_kv_heads = sizes[5], head_dim = sizes[6];
   const int64_t t = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  if (t == 1) {
+    auto row = llama_decoder_layer_row(x, residual, norms, linears, qkv_bias, sizes, eps, positions, cos, sin, k_cache,
+                                       v_cache, slot_mapping, block_table, seq_lens, scale, packed, window, k_offset,
+                                       hidden_keys);
+    if (row.has_value()) return *row;
+  }
   at::Tensor res;
   if (residual.has_value() && residual->defined()) {
     res = *residual;
@@ -95,4 +113,29 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::option
   at::Tensor out = apply_linear(silu_and_mul(apply_linear(h, linears[2], gate_up_n, c10::nullopt)), linears[3],
                                 down_n, c10::nullopt);
   return {out, res};
+}
+
+void LlamaLayerStack::add_layer(std::vector<at::Tensor> norms, std::vector<std::vector<at::Tensor>> linears,
+                                c10::optional<at::Tensor> qkv_bias, std::vector<int64_t> sizes, double eps,
+                                at::Tensor cos, at::Tensor sin, double scale, int64_t window) {
+  layers_.push_back({std::move(norms), std::move(linears), std::move(qkv_bias), std::move(sizes), eps, std::move(cos),
+                     std::move(sin), scale, window});
+}
+
+std::tuple<at::Tensor, at::Tensor> LlamaLayerStack::forward(
+    at::Tensor x, at::Tensor positions, const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
+    at::Tensor slot_mapping, at::Tensor block_table, at::Tensor seq_lens, bool packed,
+    c10::optional<at::Tensor> hidden_keys) const {
+  TORCH_CHECK(kv_caches.size() == layers_.size(), "LlamaLayerStack: one (k, v) cache per layer");
+  c10::optional<at::Tensor> residual;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    auto [out, res] = llama_decoder_layer(x, residual, l.norms, l.linears, l.qkv_bias, l.sizes, l.eps, positions,
+                                          l.cos, l.sin, std::get<0>(kv_caches[i]), std::get<1>(kv_caches[i]),
+                                          slot_mapping, block_table, seq_lens, l.scale, packed, l.window,
+                                          c10::nullopt, hidden_keys);
+    x = std::move(out);
+    residual = std::move(res);
+  }
+  return {x, residual.has_value() ? *residual : x};
 }

@@ -1,9 +1,6 @@
 // Fused elementwise kernels for the decoder layer, one pass each instead of 5-10 small torch ops (each of which
 // pays dispatch and thread start-up: at batch 128 the unfused RMSNorm alone cost ~190 us per call).
-//
-// Rounding follows the torch code they replace (HF's order of operations): every intermediate that torch would
-// store in the model dtype is rounded to it here too, so bf16 results stay as close to HF as the torch path, and
-// fp32 results are the same up to the order of a sum.
+// The row bodies (and how they round) are in elementwise.h.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "elementwise.h"
 #include "kv_layout.h"
 #include "simd.h"
 
@@ -21,44 +19,12 @@ namespace {
 
 using namespace kvserve;
 
-// Round a float to T's precision and back (identity for fp32).
-template <typename T>
-inline float r(float x) {
-  return to_f(static_cast<T>(x));
-}
-
 template <typename T>
 void add_rms_norm_rows(T* x, T* residual, const T* weight, int64_t rows, int64_t dim, float eps, bool add) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      T* xr = x + row * dim;
-      T* rr = residual + row * dim;
-      T* src = add ? rr : xr;  // what gets normalised
-      double sum_sq = 0.0;
-      int64_t i0 = 0;
-      vf vsq = vzero();
-      for (; i0 + kW <= dim; i0 += kW) {
-        vf sv = vload(xr + i0);
-        if (add) {
-          sv = vround(T{}, vadd(sv, vload(rr + i0)));
-          vstore(rr + i0, sv);
-        }
-        vsq = vfma(sv, sv, vsq);
-      }
-      sum_sq = vsum(vsq);
-      for (int64_t i = i0; i < dim; ++i) {
-        // residual <- x + residual (in the model dtype), and it is what gets normalised.
-        const float s = add ? r<T>(to_f(xr[i]) + to_f(rr[i])) : to_f(xr[i]);
-        if (add) rr[i] = static_cast<T>(s);
-        sum_sq += static_cast<double>(s) * s;
-      }
-      const float inv = 1.0f / std::sqrt(static_cast<float>(sum_sq / dim) + eps);
-      int64_t j0 = 0;
-      const vf vinv = vset(inv);
-      for (; j0 + kW <= dim; j0 += kW)
-        vstore(xr + j0, vmul(vload(weight + j0), vround(T{}, vmul(vload(src + j0), vinv))));
-      for (int64_t i = j0; i < dim; ++i) xr[i] = static_cast<T>(to_f(weight[i]) * r<T>(to_f(src[i]) * inv));
-    }
+    for (int64_t row = begin; row < end; ++row)
+      rms_norm_row(x + row * dim, add ? residual + row * dim : nullptr, add ? residual + row * dim : nullptr,
+                   weight, x + row * dim, dim, eps);
   });
 }
 
@@ -67,84 +33,19 @@ void rotary_rows(T* qk, int64_t row_stride, const int64_t* positions, const T* c
                  int64_t num_heads, int64_t head_dim) {
   const int64_t half = head_dim / 2;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const T* c = cos + positions[row] * half;
-      const T* s = sin + positions[row] * half;
-      T* base = qk + row * row_stride;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        T* x = base + h * head_dim;
-        int64_t i0 = 0;
-        for (; i0 + kW <= half; i0 += kW) {
-          const vf x1 = vload(x + i0), x2 = vload(x + i0 + half);
-          const vf ci = vload(c + i0), si = vload(s + i0);
-          const vf o1 = vsub(vround(T{}, vmul(x1, ci)), vround(T{}, vmul(x2, si)));
-          const vf o2 = vadd(vround(T{}, vmul(x2, ci)), vround(T{}, vmul(x1, si)));
-          vstore(x + i0, o1);
-          vstore(x + i0 + half, o2);
-        }
-        for (int64_t i = i0; i < half; ++i) {
-          const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
-          const float ci = to_f(c[i]), si = to_f(s[i]);
-          x[i] = static_cast<T>(r<T>(x1 * ci) - r<T>(x2 * si));
-          x[i + half] = static_cast<T>(r<T>(x2 * ci) + r<T>(x1 * si));
-        }
-      }
-    }
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t h = 0; h < num_heads; ++h)
+        rotary_head(qk + row * row_stride + h * head_dim, cos + positions[row] * half, sin + positions[row] * half,
+                    head_dim);
   });
 }
 
 template <typename T>
 void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t dim) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const T* gate = x + row * 2 * dim;
-      const T* up = gate + dim;
-      T* o = out + row * dim;
-      int64_t i0 = 0;
-      const vf one = vset(1.0f);
-      for (; i0 + kW <= dim; i0 += kW) {
-        const vf g = vload(gate + i0);
-        const vf sg = vdiv(g, vadd(one, vexp(vsub(vzero(), g))));
-        vstore(o + i0, vmul(vround(T{}, sg), vload(up + i0)));
-      }
-      for (int64_t i = i0; i < dim; ++i) {
-        const float g = to_f(gate[i]);
-        o[i] = static_cast<T>(r<T>(g / (1.0f + std::exp(-g))) * to_f(up[i]));
-      }
-    }
+    for (int64_t row = begin; row < end; ++row)
+      silu_and_mul_span(x + row * 2 * dim, x + row * 2 * dim + dim, out + row * dim, dim);
   });
-}
-
-template <typename T>
-inline T finite(T x) {
-  const float f = to_f(x);
-  if (std::isnan(f)) return static_cast<T>(0.0f);
-  // The type's own largest finite value: FLT_MAX would round up to +inf in bf16.
-  if (std::isinf(f)) return f > 0 ? std::numeric_limits<T>::max() : std::numeric_limits<T>::lowest();
-  return x;
-}
-
-// Non-finite values have all exponent bits set.
-inline bool all_finite(const float* x, int64_t n) {
-  uint32_t bad = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t b;
-    std::memcpy(&b, &x[i], 4);
-    bad |= static_cast<uint32_t>((b & 0x7F800000u) == 0x7F800000u);
-  }
-  return bad == 0;
-}
-inline bool all_finite(const at::BFloat16* x, int64_t n) {
-  const uint16_t* b = reinterpret_cast<const uint16_t*>(x);
-  uint32_t bad = 0;
-  for (int64_t i = 0; i < n; ++i) bad |= static_cast<uint32_t>((b[i] & 0x7F80u) == 0x7F80u);
-  return bad == 0;
-}
-
-template <typename T>
-inline void sanitise(T* x, int64_t n) {
-  if (all_finite(x, n)) return;
-  for (int64_t i = 0; i < n; ++i) x[i] = finite(x[i]);
 }
 
 template <typename T>
@@ -152,12 +53,8 @@ void write_kv_rows(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T
                    const int64_t* slots, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      T* kd = k_cache + slots[row] * width;
-      T* vd = v_cache + slots[row] * width;
-      std::memcpy(kd, k + row * k_stride, width * sizeof(T));
-      std::memcpy(vd, v + row * v_stride, width * sizeof(T));
-      sanitise(kd, width);
-      sanitise(vd, width);
+      write_kv_span(k + row * k_stride, k_cache + slots[row] * width, width);
+      write_kv_span(v + row * v_stride, v_cache + slots[row] * width, width);
     }
   });
 }

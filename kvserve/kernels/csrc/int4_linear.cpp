@@ -324,17 +324,25 @@ inline void tail_rows(int rows, const Rows& x, int64_t r0, const uint8_t* wp, in
   }
 }
 
+constexpr int kGP = 4;  // panels a batch-1 tile covers
+
+// One row against panels [p_begin, p_end) (a thread's part of a batch-1 GEMV).
+template <typename TO>
+void gemv_panels(const Rows& x, const uint8_t* wp, const float* bias, TO* y, int64_t N, int64_t p_begin,
+                 int64_t p_end) {
+  for_each_panel_group_in<kGP>(p_begin, p_end, N, kNP, [&](int64_t p, bool whole, int) {
+    if (whole)
+      tile<1, kGP, TO>(x, 0, wp, p, bias, y, N, N, PackedCodes{wp, x.kb});
+    else
+      tile<1, 1, TO>(x, 0, wp, p, bias, y, N, N, PackedCodes{wp, x.kb});
+  });
+}
+
 template <typename TO>
 void gemm_int4(const Rows& x, const uint8_t* wp, const float* bias, TO* y, int64_t M, int64_t N) {
   const int64_t num_panels = cdiv(N, kNP);
   if (M == 1) {
-    constexpr int kGP = 4;
-    for_each_panel_group<kGP>(num_panels, N, kNP, [&](int64_t p, bool whole, int) {
-      if (whole)
-        tile<1, kGP, TO>(x, 0, wp, p, bias, y, N, N, PackedCodes{wp, x.kb});
-      else
-        tile<1, 1, TO>(x, 0, wp, p, bias, y, N, N, PackedCodes{wp, x.kb});
-    });
+    at::parallel_for(0, num_panels, kGP, [&](int64_t a, int64_t e) { gemv_panels<TO>(x, wp, bias, y, N, a, e); });
     return;
   }
 #if defined(KVSERVE_INT4_UNPACKED)
@@ -439,6 +447,23 @@ void check_x(const at::Tensor& x) {
 }
 
 }  // namespace
+
+namespace kvserve {
+
+void int4_quantize_row(const float* x, int64_t kb, int8_t* q, float* dx, float* mx) { quantize_row(x, kb, q, dx, mx); }
+void int4_quantize_row(const at::BFloat16* x, int64_t kb, int8_t* q, float* dx, float* mx) {
+  quantize_row(x, kb, q, dx, mx);
+}
+void int4_gemv_panels(const int8_t* q, const float* dx, const float* mx, int64_t kb, const uint8_t* wp,
+                      const float* bias, float* y, int64_t n, int64_t p_begin, int64_t p_end) {
+  gemv_panels<float>(Rows{q, dx, mx, kb}, wp, bias, y, n, p_begin, p_end);
+}
+void int4_gemv_panels(const int8_t* q, const float* dx, const float* mx, int64_t kb, const uint8_t* wp,
+                      const float* bias, at::BFloat16* y, int64_t n, int64_t p_begin, int64_t p_end) {
+  gemv_panels<at::BFloat16>(Rows{q, dx, mx, kb}, wp, bias, y, n, p_begin, p_end);
+}
+
+}  // namespace kvserve
 
 // The activation quantization above as a torch op, for tests: x [M, K] -> (q [M, K] int8, dx, mx [M, K / 32]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_quantize_rows(at::Tensor x) {

@@ -371,21 +371,24 @@ struct FastDecode {
 
 }  // namespace
 
+namespace kvserve {
+
 // q [S, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] of q's dtype or fp8 (e4m3fn, e5m2: unscaled
-// values, widened exactly); block_table [S, max_blocks] int32;
-// seq_lens [S] int64 (each >= 1); window: each row sees only its last `window` keys (0: all of them);
-// alibi_slopes: none, or [H] fp32 ALiBi slopes (add_alibi); hidden_keys: none, or [S] int64 tree-attention bits
-// (hidden_keys_ptr, attention_common.h). Returns [S, H, D] in q's dtype.
-at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                                  at::Tensor seq_lens, double scale, int64_t window,
-                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys) {
+// values, widened exactly); block_table [S, max_blocks] int32; seq_lens [S] int64 (each >= 1). Throws on bad inputs.
+PagedShape paged_attention_decode_check(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                        const at::Tensor& block_table, const at::Tensor& seq_lens) {
   const PagedShape p = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens);
-  const float* alibi = alibi_slopes_ptr(alibi_slopes, p.num_heads);
-  const int64_t* hidden = hidden_keys_ptr(hidden_keys, p.num_seqs);
   TORCH_CHECK(p.head_dim <= kMaxHeadDim && p.group() <= kMaxGroup && p.block_size <= kMaxBlockSize,
               "head_dim, GQA group or block size too large for the CPU decode kernel");
-  auto out = at::empty_like(q);
-  const float sc = static_cast<float>(scale);
+  return p;
+}
+
+// The kernel on checked inputs, into out [S, H, D] (q's dtype): no allocation, nothing that throws, so that
+// decoder_layer_row.cpp can call it inside its parallel region (each thread then runs its share of the tasks).
+void paged_attention_decode_run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out,
+                                const PagedShape& p, float scale, int64_t window, const float* alibi,
+                                const int64_t* hidden) {
   const int64_t hpt = heads_per_task(p);
   dispatch_float(q, [&](auto tag) {
     using T = decltype(tag);
@@ -398,11 +401,27 @@ at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v
       const int64_t* lens = seq_lens.data_ptr<int64_t>();
       T* o = out.data_ptr<T>();
       const bool fast = with_head_shape(p.head_dim, p.group(), [&](auto hd, auto g) {
-        FastDecode<decltype(hd)::value, decltype(g)::value, T, C>::run(qp, kc, vc, table, lens, o, p, sc, hpt,
+        FastDecode<decltype(hd)::value, decltype(g)::value, T, C>::run(qp, kc, vc, table, lens, o, p, scale, hpt,
                                                                         window, alibi, hidden);
       });
-      if (!fast) decode_kernel<T, C>(qp, kc, vc, table, lens, o, p, sc, hpt, window, alibi, hidden);
+      if (!fast) decode_kernel<T, C>(qp, kc, vc, table, lens, o, p, scale, hpt, window, alibi, hidden);
     });
   });
+}
+
+}  // namespace kvserve
+
+// window: each row sees only its last `window` keys (0: all of them); alibi_slopes: none, or [H] fp32 ALiBi slopes
+// (add_alibi); hidden_keys: none, or [S] int64 tree-attention bits (hidden_keys_ptr, attention_common.h). Returns
+// [S, H, D] in q's dtype. Other arguments as paged_attention_decode_check takes them.
+at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
+                                  at::Tensor seq_lens, double scale, int64_t window,
+                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys) {
+  const kvserve::PagedShape p = kvserve::paged_attention_decode_check(q, k_cache, v_cache, block_table, seq_lens);
+  const float* alibi = kvserve::alibi_slopes_ptr(alibi_slopes, p.num_heads);
+  const int64_t* hidden = kvserve::hidden_keys_ptr(hidden_keys, p.num_seqs);
+  auto out = at::empty_like(q);
+  kvserve::paged_attention_decode_run(q, k_cache, v_cache, block_table, seq_lens, out, p, static_cast<float>(scale),
+                                      window, alibi, hidden);
   return out;
 }

@@ -16,15 +16,21 @@ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Batch-1 decode (GEMV): threads take groups of kGroup panels (each thread then streams whole groups, and a call
 // covers kGroup panels of one pass over x); a thread's last panels, fewer than a group, go one per call.
 // fn(p, whole_group, ncols): panels p.. (kGroup of them, or one), ncols output columns from p's first.
+// for_each_panel_group_in: one thread's panels [p_begin, p_end) the same way (a caller's own parallel region).
+template <int kGroup, typename F>
+void for_each_panel_group_in(int64_t p_begin, int64_t p_end, int64_t n, int panel_width, const F& fn) {
+  for (int64_t p = p_begin; p < p_end;) {
+    const bool whole = p_end - p >= kGroup;
+    const int width = (whole ? kGroup : 1) * panel_width;
+    fn(p, whole, static_cast<int>(std::min<int64_t>(width, n - p * panel_width)));
+    p += whole ? kGroup : 1;
+  }
+}
+
 template <int kGroup, typename F>
 void for_each_panel_group(int64_t num_panels, int64_t n, int panel_width, const F& fn) {
   at::parallel_for(0, num_panels, kGroup, [&](int64_t p_begin, int64_t p_end) {
-    for (int64_t p = p_begin; p < p_end;) {
-      const bool whole = p_end - p >= kGroup;
-      const int width = (whole ? kGroup : 1) * panel_width;
-      fn(p, whole, static_cast<int>(std::min<int64_t>(width, n - p * panel_width)));
-      p += whole ? kGroup : 1;
-    }
+    for_each_panel_group_in<kGroup>(p_begin, p_end, n, panel_width, fn);
   });
 }
 
