@@ -64,18 +64,16 @@ at::Tensor apply_linear(const at::Tensor& x, const std::vector<at::Tensor>& w, i
 // sizes: qkv, o, gate_up and down output features, query heads, kv heads, head dim.
 // k_offset: [kv heads * head dim], subtracted from the keys after RoPE (fp8 caches), or none.
 // Returns (MLP output, residual), as LlamaDecoderLayer.forward does; x and residual are updated in place.
-std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::optional<at::Tensor> residual,
-                                                       std::vector<at::Tensor> norms,
-                                                       std::vector<std::vector<at::Tensor>> linears,
-                                                       c10::optional<at::Tensor> qkv_bias, std::vector<int64_t> sizes,
-                                                       double eps, at::Tensor positions, at::Tensor cos,
-                                                       at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
-                                                       at::Tensor slot_mapping, at::Tensor block_table,
-                                                       at::Tensor seq_lens, double scale, bool packed,
-                                                       int64_t window, c10::optional<at::Tensor> k_offset,
-                                                       c10::optional<at::Tensor> hidden_keys) {
+std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
+    const at::Tensor& x_in, const c10::optional<at::Tensor>& residual, const std::vector<at::Tensor>& norms,
+    const std::vector<std::vector<at::Tensor>>& linears, const c10::optional<at::Tensor>& qkv_bias,
+    const std::vector<int64_t>& sizes, double eps, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, bool packed, int64_t window,
+    const c10::optional<at::Tensor>& k_offset, const c10::optional<at::Tensor>& hidden_keys) {
   TORCH_CHECK(norms.size() == 2 && linears.size() == 4 && sizes.size() == 7,
               "llama_decoder_layer: 2 norms, 4 linears, 7 sizes");
+  at::Tensor x = x_in;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "llama_decoder_layer: contiguous x [T, hidden]");
   const int64_t qkv_n = sizes[0], o_n = sizes[1], gate_up_n = sizes[2], down_n = sizes[3];
   const int64_t num_heads = sizes[4], num_kv_heads = sizes[5], head_dim = sizes[6];

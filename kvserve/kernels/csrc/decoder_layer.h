@@ -6,16 +6,13 @@
 #include <tuple>
 #include <vector>
 
-std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(at::Tensor x, c10::optional<at::Tensor> residual,
-                                                       std::vector<at::Tensor> norms,
-                                                       std::vector<std::vector<at::Tensor>> linears,
-                                                       c10::optional<at::Tensor> qkv_bias, std::vector<int64_t> sizes,
-                                                       double eps, at::Tensor positions, at::Tensor cos,
-                                                       at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
-                                                       at::Tensor slot_mapping, at::Tensor block_table,
-                                                       at::Tensor seq_lens, double scale, bool packed,
-                                                       int64_t window, c10::optional<at::Tensor> k_offset,
-                                                       c10::optional<at::Tensor> hidden_keys);
+std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
+    const at::Tensor& x_in, const c10::optional<at::Tensor>& residual, const std::vector<at::Tensor>& norms,
+    const std::vector<std::vector<at::Tensor>>& linears, const c10::optional<at::Tensor>& qkv_bias,
+    const std::vector<int64_t>& sizes, double eps, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, bool packed, int64_t window,
+    const c10::optional<at::Tensor>& k_offset, const c10::optional<at::Tensor>& hidden_keys);
 
 // Every layer of a model through llama_decoder_layer in one call from Python. A layer's fixed arguments are given
 // once (add_layer); a step passes only its own. At batch 1 the per-layer crossing (argument conversion, the

@@ -179,11 +179,12 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> llama_decoder_layer_row(
   const bool add = residual.has_value() && residual->defined();
   if (add) TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() && residual->scalar_type() == dt);
   const auto opts = x.options();
-  at::Tensor qkv = at::empty({1, qkv_n}, opts), h = at::empty({1, hidden}, opts);
-  at::Tensor gate_up = at::empty({1, gate_up_n}, opts), act = at::empty({1, gate_up_n / 2}, opts);
+  // One allocation for the layer's intermediates (a few us each at batch 1): qkv, attention, o, gate_up, SiLU.
+  const int64_t q_size = num_heads * hd, inter = gate_up_n / 2;
+  at::Tensor ws = at::empty({qkv_n + q_size + hidden + gate_up_n + inter}, opts);
   at::Tensor out = at::empty({1, hidden}, opts);
-  at::Tensor q_view = qkv.narrow(1, 0, num_heads * hd).view({1, num_heads, hd});
-  at::Tensor attn = at::empty({1, num_heads, hd}, opts);
+  at::Tensor q_view = ws.as_strided({1, num_heads, hd}, {q_size, hd, 1}, 0);  // qkv's first q_size values
+  at::Tensor attn = ws.as_strided({1, num_heads, hd}, {q_size, hd, 1}, qkv_n);
   const PagedShape shape = paged_attention_decode_check(q_view, k_cache, v_cache, block_table, seq_lens);
   const int64_t* hidden_bits = hidden_keys_ptr(hidden_keys, shape.num_seqs);
   at::Tensor bias_padded;
@@ -195,7 +196,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> llama_decoder_layer_row(
   }
   const RowLayer L{hidden,
                    qkv_n,
-                   gate_up_n / 2,
+                   inter,
                    num_heads,
                    num_kv_heads,
                    hd,
@@ -211,11 +212,12 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> llama_decoder_layer_row(
                    slot_mapping.data_ptr<int64_t>()[0]};
   dispatch_float(x, [&](auto tag) {
     using T = decltype(tag);
+    T* ws_p = ws.data_ptr<T>();
     run_row_layer<T>(L, x.data_ptr<T>(), add ? residual->data_ptr<T>() : x.data_ptr<T>(), add, norms[0].data_ptr<T>(),
                      norms[1].data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), k_cache.data_ptr<T>(),
                      v_cache.data_ptr<T>(), q_view, k_cache, v_cache, block_table, seq_lens, attn, shape,
-                     hidden_bits, qkv.data_ptr<T>(), h.data_ptr<T>(), gate_up.data_ptr<T>(), act.data_ptr<T>(),
-                     out.data_ptr<T>());
+                     hidden_bits, ws_p, ws_p + qkv_n + q_size, ws_p + qkv_n + q_size + hidden,
+                     ws_p + qkv_n + q_size + hidden + gate_up_n, out.data_ptr<T>());
   });
   return std::make_tuple(out, add ? *residual : x);
 }
