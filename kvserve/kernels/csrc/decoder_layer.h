@@ -3,11 +3,21 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
 std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
     const at::Tensor& x_in, const c10::optional<at::Tensor>& residual, const std::vector<at::Tensor>& norms,
+    const std::vector<std::vector<at::Tensor>>& linears, const c10::optional<at::Tensor>& qkv_bias,
+    const std::vector<int64_t>& sizes, double eps, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, bool packed, int64_t window,
+    const c10::optional<at::Tensor>& k_offset, const c10::optional<at::Tensor>& hidden_keys);
+
+// decoder_layer_row.cpp: one query row, int4 linears, in one parallel region (nullopt where it does not apply).
+std::optional<std::tuple<at::Tensor, at::Tensor>> llama_decoder_layer_row(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual, const std::vector<at::Tensor>& norms,
     const std::vector<std::vector<at::Tensor>>& linears, const c10::optional<at::Tensor>& qkv_bias,
     const std::vector<int64_t>& sizes, double eps, const at::Tensor& positions, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,

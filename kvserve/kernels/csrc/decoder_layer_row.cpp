@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "decoder_layer.h"
 #include "elementwise.h"
 #include "region.h"
 
