@@ -31,10 +31,25 @@ constexpr int kNP = kNV * kW;  // panel width: weight rows per panel
 constexpr int kMR = kNumVecRegs >= 32 ? 12 : 6;
 static_assert(kMR * kNV + kNV + 1 <= kNumVecRegs, "row tile does not fit in the vector registers");
 
+// A prefetch gcc does not count as a memory access (an "r" operand, no clobber), so it cannot block the store
+// motion that keeps a tile's accumulators in registers.
+inline void prefetch_l1(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 (%0)" : : "r"(p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
 // y[0..MR)[0..ncols) (+)= x[0..MR)[0..kc) @ panel[0..kc)[0..ncols); x rows have stride ldx, y rows stride ldy.
-template <int MR, typename T>
+// next (or null): the kc x kNP weights this thread reads after these, fetched into L1 one panel row a k step. The
+// hardware prefetcher restarts at every 4 KiB page of the weight stream, so without it the first tile of every
+// sub-panel waits on memory (a decode step's weights come from DRAM; a prefill block's from L3).
+// (A template flag and an asm prefetch: with __builtin_prefetch, or a null test, in the k loop, gcc 12 stores the
+// accumulators to the stack on every k step, which made the tile ~2x slower.)
+template <int MR, bool kPrefetch = false, typename T>
 inline void row_tile(const float* x, int64_t ldx, const T* panel, int64_t kc, float* y, int64_t ldy, int ncols,
-                     bool accumulate) {
+                     bool accumulate, const T* next = nullptr) {
   vf acc[MR][kNV];
   alignas(64) float tmp[kNP];
   for (int i = 0; i < MR; ++i)
@@ -49,9 +64,14 @@ inline void row_tile(const float* x, int64_t ldx, const T* panel, int64_t kc, fl
       for (int v = 0; v < kNV; ++v) acc[i][v] = vload(src + v * kW);
     }
   }
+  constexpr int kRowBytes = kNP * sizeof(T);
   for (int64_t k = 0; k < kc; ++k) {
     vf w[kNV];
     for (int v = 0; v < kNV; ++v) w[v] = vload(panel + k * kNP + v * kW);
+    if constexpr (kPrefetch) {
+      const char* line = reinterpret_cast<const char*>(next + k * kNP);
+      for (int b = 0; b < kRowBytes; b += 64) prefetch_l1(line + b);
+    }
     for (int i = 0; i < MR; ++i) {
       const vf b = vset(x[i * ldx + k]);
       for (int v = 0; v < kNV; ++v) acc[i][v] = vfma(b, w[v], acc[i][v]);
@@ -91,10 +111,13 @@ inline void gemv_panels(const float* x, const T* panels, int64_t K, float* y, in
 // The last rows of a block (fewer than kMR): the same tile with MR = rows.
 template <int MR, typename T>
 inline void tail_tile(int rows, const float* x, int64_t ldx, const T* panel, int64_t kc, float* y, int64_t ldy,
-                      int ncols, bool accumulate) {
+                      int ncols, bool accumulate, const T* next) {
   if constexpr (MR > 0) {
-    if (rows == MR) return row_tile<MR>(x, ldx, panel, kc, y, ldy, ncols, accumulate);
-    tail_tile<MR - 1>(rows, x, ldx, panel, kc, y, ldy, ncols, accumulate);
+    if (rows == MR) {
+      if (next != nullptr) return row_tile<MR, true>(x, ldx, panel, kc, y, ldy, ncols, accumulate, next);
+      return row_tile<MR>(x, ldx, panel, kc, y, ldy, ncols, accumulate);
+    }
+    tail_tile<MR - 1>(rows, x, ldx, panel, kc, y, ldy, ncols, accumulate, next);
   }
 }
 
@@ -119,10 +142,18 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
     float* yp = y + m0 * N + p * kNP;
     const T* panel = wp + (p * K + k0) * kNP;
     const float* xp = x + m0 * K + k0;
+    // The weights follow one another in memory in the order a thread reads them ([P, K, kNP]); the next kc rows
+    // of the stream are fetched while the block's first tile runs (none past the weights' end).
+    const T* next = p * K + k0 + 2 * kcur <= num_panels * K ? panel + kcur * kNP : nullptr;
     int64_t i = 0;
+    if (next != nullptr && kMR <= mcur) {
+      row_tile<kMR, true>(xp, K, panel, kcur, yp, N, ncols, k0 > 0, next);
+      i = kMR;
+    }
     for (; i + kMR <= mcur; i += kMR) row_tile<kMR>(xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0);
     if (i < mcur)
-      tail_tile<kMR - 1>(static_cast<int>(mcur - i), xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0);
+      tail_tile<kMR - 1>(static_cast<int>(mcur - i), xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0,
+                         i == 0 ? next : nullptr);
   };
   for_each_gemm_block(M, N, kNP, K, kc, mc, block);
 }
