@@ -31,22 +31,9 @@ constexpr int kNP = kNV * kW;  // panel width: weight rows per panel
 constexpr int kMR = kNumVecRegs >= 32 ? 12 : 6;
 static_assert(kMR * kNV + kNV + 1 <= kNumVecRegs, "row tile does not fit in the vector registers");
 
-// A prefetch gcc does not count as a memory access (an "r" operand, no clobber), so it cannot block the store
-// motion that keeps a tile's accumulators in registers.
-inline void prefetch_l1(const void* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht0 (%0)" : : "r"(p));
-#else
-  __builtin_prefetch(p, 0, 3);
-#endif
-}
-
 // y[0..MR)[0..ncols) (+)= x[0..MR)[0..kc) @ panel[0..kc)[0..ncols); x rows have stride ldx, y rows stride ldy.
-// next (or null): the kc x kNP weights this thread reads after these, fetched into L1 one panel row a k step. The
-// hardware prefetcher restarts at every 4 KiB page of the weight stream, so without it the first tile of every
-// sub-panel waits on memory (a decode step's weights come from DRAM; a prefill block's from L3).
-// (A template flag and an asm prefetch: with __builtin_prefetch, or a null test, in the k loop, gcc 12 stores the
-// accumulators to the stack on every k step, which made the tile ~2x slower.)
+// kPrefetch: also fetch `next`, the kc x kNP weights this thread reads after these, one panel row a k step
+// (panel_loops.h, prefetch_l1; a template flag, since a null test in the k loop also cost the registers).
 template <int MR, bool kPrefetch = false, typename T>
 inline void row_tile(const float* x, int64_t ldx, const T* panel, int64_t kc, float* y, int64_t ldy, int ncols,
                      bool accumulate, const T* next = nullptr) {
@@ -142,8 +129,7 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
     float* yp = y + m0 * N + p * kNP;
     const T* panel = wp + (p * K + k0) * kNP;
     const float* xp = x + m0 * K + k0;
-    // The weights follow one another in memory in the order a thread reads them ([P, K, kNP]); the next kc rows
-    // of the stream are fetched while the block's first tile runs (none past the weights' end).
+    // The next kc rows of the weight stream ([P, K, kNP]) are fetched while the block's first tile runs.
     const T* next = p * K + k0 + 2 * kcur <= num_panels * K ? panel + kcur * kNP : nullptr;
     int64_t i = 0;
     if (next != nullptr && kMR <= mcur) {

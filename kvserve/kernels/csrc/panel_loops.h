@@ -13,6 +13,19 @@ namespace kvserve {
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// A GEMM block's first row tile fetches the weights the thread reads next (the panels lie in memory in the order a
+// thread reads them): the hardware prefetcher restarts at every 4 KiB page of the weight stream, so without it the
+// first tile of every (sub-)panel waits on memory (a decode step's weights come from DRAM, a prefill block's from
+// L3). prefetch_l1 is an asm prefetch gcc does not count as a memory access ("r" operand, no clobber): with
+// __builtin_prefetch in the k loop, gcc 12 stored the tile's accumulators to the stack on every k step (~2x slower).
+inline void prefetch_l1(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 (%0)" : : "r"(p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
 // Batch-1 decode (GEMV): threads take groups of kGroup panels (each thread then streams whole groups, and a call
 // covers kGroup panels of one pass over x); a thread's last panels, fewer than a group, go one per call.
 // fn(p, whole_group, ncols): panels p.. (kGroup of them, or one), ncols output columns from p's first.
