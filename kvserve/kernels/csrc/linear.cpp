@@ -33,7 +33,7 @@ static_assert(kMR * kNV + kNV + 1 <= kNumVecRegs, "row tile does not fit in the 
 
 // y[0..MR)[0..ncols) (+)= x[0..MR)[0..kc) @ panel[0..kc)[0..ncols); x rows have stride ldx, y rows stride ldy.
 // kPrefetch: also fetch `next`, the kc x kNP weights this thread reads after these, one panel row a k step
-// (panel_loops.h, prefetch_l1; a template flag, since a null test in the k loop also cost the registers).
+// (panel_loops.h, prefetch_l1; a template flag, so that the other tiles keep the loop they had).
 template <int MR, bool kPrefetch = false, typename T>
 inline void row_tile(const float* x, int64_t ldx, const T* panel, int64_t kc, float* y, int64_t ldy, int ncols,
                      bool accumulate, const T* next = nullptr) {
