@@ -35,7 +35,6 @@ double fma_gflops(int64_t iters, int64_t threads) {
       for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_ps(a[i], b, c);
     for (int i = 1; i < 12; ++i) a[0] = _mm512_add_ps(a[0], a[i]);
     sink += _mm512_reduce_add_ps(a[0]);
-    constexpr int lanes = 16;
 #else
     __m256 a[12];
     const __m256 b = _mm256_set1_ps(1.0000001f), c = _mm256_set1_ps(1e-9f);
@@ -47,9 +46,7 @@ double fma_gflops(int64_t iters, int64_t threads) {
     float t[8];
     _mm256_storeu_ps(t, a[0]);
     sink += t[0];
-    constexpr int lanes = 8;
 #endif
-    (void)lanes;
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 #if defined(__AVX512F__)
