@@ -9,21 +9,23 @@ Both in one process, alternated; prints cycles a key and kv head at 3 GHz (an AV
 
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load_inline
+
+from kvserve.platform import cpu_info, kernel_compile_flags
+
+if "avx2" not in cpu_info().features:
+    sys.exit("qk_layouts.py: needs an AVX2 CPU")
 
 src = r"""
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <chrono>
+#include "vec.h"  // the kernels' own AVX2 helpers: vhsum reduces 8 vectors as paged_attention.cpp does
 constexpr int HD = 64, G = 3, BS = 16, HKV = 3;
-static inline __m256 hsum8(const __m256* v) {
-  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 a = _mm256_hadd_ps(s01, s23), b = _mm256_hadd_ps(s45, s67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
 // (a): k [nblocks][BS][HKV][HD], head 0; scores [G][nblocks*BS]
 double run_a(torch::Tensor q, torch::Tensor k, torch::Tensor scores, int64_t reps) {
   const float* qp = q.data_ptr<float>(); const float* kp = k.data_ptr<float>(); float* sp = scores.data_ptr<float>();
@@ -44,7 +46,7 @@ double run_a(torch::Tensor q, torch::Tensor k, torch::Tensor scores, int64_t rep
 #pragma GCC unroll 8
             for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kr + t * HKV * HD + 8 * c), a[t]);
           }
-          _mm256_storeu_ps(sp + g * n + b * BS + t0_, hsum8(a));
+          _mm256_storeu_ps(sp + g * n + b * BS + t0_, kvserve::vhsum(a));
         }
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -85,11 +87,14 @@ m = load_inline(
     "kvserve_qk_layouts",
     src,
     functions=["run_a", "run_b"],
-    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-mtune=native"],
+    extra_cflags=["-O3", *kernel_compile_flags("avx2"), "-mtune=native"],
+    extra_include_paths=[str(Path(__file__).resolve().parents[1] / "kvserve" / "kernels" / "csrc")],
     verbose=False,
 )
 torch.set_num_threads(1)
 nb = int(os.environ.get("NB", 4))
+if nb < 2 or nb % 2:
+    sys.exit("qk_layouts.py: NB must be even (loop b takes two blocks at a time)")
 q = torch.randn(3, 64)
 k = torch.randn(nb, 16, 3, 64)
 kt = k[:, :, 0, :].permute(0, 2, 1).contiguous()  # [nb][64][16] for head 0
