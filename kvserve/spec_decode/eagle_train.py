@@ -27,6 +27,9 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+# Most memory train_head keeps the target's distributions in (fp32, one row per position and vocabulary entry).
+_P_TARGET_CACHE_BYTES = 512 << 20
+
 
 class EagleReference(nn.Module):
     """fc over concat(embedding, feature), then one HF Llama decoder layer without its input norm."""
@@ -182,6 +185,13 @@ def train_head(
     else:
         train = order
         val_sequences, val_features = held_out
+    # The target's next-token distributions do not change while the head learns: computed once per sequence where
+    # they fit in _P_TARGET_CACHE_BYTES (a few short sequences, as tests fit), else at every update. The same
+    # call on the same rows, so the head fitted is the same either way.
+    vocab = lm_head.weight.shape[0]
+    p_targets: dict[int, torch.Tensor] = {}
+    if sum(len(sequences[i]) - 1 for i in train) * vocab * 4 <= _P_TARGET_CACHE_BYTES:
+        p_targets = {i: _target_probs(lm_head, features[i]) for i in train}
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     start = time.perf_counter()
     epochs = 0
@@ -202,7 +212,8 @@ def train_head(
             # Cosine decay over the budget.
             for g in opt.param_groups:
                 g["lr"] = lr * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * done)).item())
-            loss = _loss(head, embed, lm_head, sequences[i], features[i], noise * scale, scale, ce_weight, unroll)
+            seq, feats = sequences[i], features[i]
+            loss = _loss(head, embed, lm_head, seq, feats, noise * scale, scale, ce_weight, unroll, p_targets.get(i))
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -244,6 +255,7 @@ def _loss(
     scale: float,
     ce_weight: float,
     unroll: bool = False,
+    p_target: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The loss of one sequence. `unroll` adds a second pass in which every position is fed the head's own
     prediction of its feature (pred_{i-1}) and the embedding of the token after, as the engine's second draft is:
@@ -253,13 +265,20 @@ def _loss(
         e, f = _inputs(embed, seq, feats)
         f = f + noise * torch.randn_like(f)
         target = feats[1:][None]
-        p_target = torch.softmax(lm_head(target), dim=-1)
+        if p_target is None:
+            p_target = _target_probs(lm_head, feats)
     pred = head(e, f)
     loss = _step_loss(lm_head, pred, target, p_target, scale, ce_weight)
     if unroll and pred.shape[1] > 1:
         pred2 = head(e[:, 1:], pred[:, :-1])
         loss = loss + _step_loss(lm_head, pred2, target[:, 1:], p_target[:, 1:], scale, ce_weight)
     return loss
+
+
+@torch.no_grad()
+def _target_probs(lm_head, feats: torch.Tensor) -> torch.Tensor:
+    """The target's next-token distribution at every position after the first: [1, len - 1, vocab]."""
+    return torch.softmax(lm_head(feats[1:][None]), dim=-1)
 
 
 def _step_loss(lm_head, pred, target, p_target, scale: float, ce_weight: float) -> torch.Tensor:

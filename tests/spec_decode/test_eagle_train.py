@@ -40,3 +40,27 @@ def test_reply_only_score_counts_the_rows_that_predict_reply_tokens():
 
     assert top1_agreement(head, embed, lm_head, seqs, feats, {})["full"] == want_all / total_all
     assert top1_agreement(head, embed, lm_head, seqs, feats, {}, starts)["full"] == want_reply / total_reply
+
+
+def test_target_distributions_kept_between_updates_fit_the_same_head(monkeypatch):
+    """train_head computes each sequence's target distributions once where they fit in memory: the head it fits is
+    bit for bit the one computed afresh at every update, with one computation per sequence instead of per update."""
+    from kvserve.spec_decode import eagle_train
+
+    cfg = hf_config()
+    g = torch.Generator().manual_seed(1)
+    embed, lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g), torch.randn(cfg.vocab_size, 64)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 17, 9, 14, 11)]
+    feats = [torch.randn(len(s), cfg.hidden_size, generator=g) for s in seqs]
+    calls = []
+    probs = eagle_train._target_probs
+    monkeypatch.setattr(eagle_train, "_target_probs", lambda *a: calls.append(1) or probs(*a))
+    heads = {}
+    for budget in (0, 1 << 30):
+        monkeypatch.setattr(eagle_train, "_P_TARGET_CACHE_BYTES", budget)
+        calls.clear()
+        head, _ = eagle_train.train_head(cfg, embed, lm_head, seqs, feats, 0.0, train_steps=12, unroll=True)
+        heads[budget] = (head.state_dict(), len(calls))
+    (fresh, fresh_calls), (kept, kept_calls) = heads[0], heads[1 << 30]
+    assert (fresh_calls, kept_calls) == (12, 4)  # 4 training sequences (one of 5 held out)
+    assert all(torch.equal(fresh[k], kept[k]) for k in fresh)

@@ -58,6 +58,13 @@ def fitted_head(target_path, tmp_path_factory) -> str:
     return fit_head(target_path, str(tmp_path_factory.mktemp("fitted-eagle-head")))
 
 
+@pytest.fixture(scope="module")
+def hd64_target_and_head(tiny_model_factory, tmp_path_factory) -> tuple[str, str]:
+    """llama-loops-hd64 and a head fitted to it, once for the module (a fit is most of a bf16 test's time)."""
+    target = tiny_model_factory("llama-loops-hd64")
+    return target, fit_head(target, str(tmp_path_factory.mktemp("fitted-eagle-head-hd64")))
+
+
 @pytest.fixture(scope="module", params=["torch", "cpu"])
 def tree_llm(request, target_path, fitted_head) -> LLM:
     if request.param == "cpu":
@@ -182,14 +189,13 @@ def test_config_defaults():
 
 
 @pytest.mark.parametrize("tree", [False, True])
-def test_bf16_pair_packed_greedy_identical(tiny_model_factory, tmp_path, tree):
+def test_bf16_pair_packed_greedy_identical(hd64_target_and_head, tree):
     """bf16 on the C++ backend with head_dim 64: the pair-packed KV layout where the CPU has AVX512-BF16 (its kernel
     reads the tree mask, and the accepted path's K/V move inside packed blocks; elsewhere the standard kernel), and
     deterministic (batch-invariant) kernels, so that a verified row computes what a decode step of it computes.
     The chain is the control: it needs neither the mask nor the moves."""
     require_kernels()
-    target = tiny_model_factory("llama-loops-hd64")
-    head = fit_head(target, str(tmp_path / "head"))
+    target, head = hd64_target_and_head
     common = {"dtype": "bfloat16", "max_model_len": 256, "attention_backend": "cpu", "deterministic": True}
     chain = {"method": "eagle", "model": head, "num_speculative_tokens": 3, "adaptive": False}
     plain_bf16 = LLM(target, **common)
@@ -200,7 +206,7 @@ def test_bf16_pair_packed_greedy_identical(tiny_model_factory, tmp_path, tree):
 
 
 @pytest.mark.slow
-def test_constrained_outputs_unchanged_with_trees(tiny_model_factory, tmp_path, monkeypatch):
+def test_constrained_outputs_unchanged_with_trees(target_path, fitted_head, monkeypatch):
     """Structured outputs with trees: the scheduler masks each node's row by the grammar's state after the node's
     path (structured_output/matcher.py; its rows are tested exactly in tests/structured_output), so greedy and
     seeded outputs equal speculation off's; the bitmask saw branching trees, and constrained requests accept tree
@@ -213,8 +219,7 @@ def test_constrained_outputs_unchanged_with_trees(tiny_model_factory, tmp_path, 
         return fill(self, grammars, drafts, parents)
 
     monkeypatch.setattr(StructuredOutputManager, "fill_bitmask", spy)
-    path = tiny_model_factory("llama-loops")
-    head = fit_head(path, str(tmp_path / "head"))
+    path, head = target_path, fitted_head
     prompts, params = constrained_only(2, greedy_only=False)
     plain = LLM(path, dtype="float32", max_model_len=128)
     want = [
