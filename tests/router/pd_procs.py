@@ -27,8 +27,8 @@ def pd_transfer_config(role: str, host: str = "127.0.0.1", **options) -> str:
     return json.dumps({"kv_connector": "pd", "kv_role": role, "side_channel_host": host, **options})
 
 
-def pd_server(model: str, role: str, *args: str, **options) -> Server:
-    return Server(model, *args, "--kv-transfer-config", pd_transfer_config(role, **options))
+def pd_server(model: str, role: str, *args: str, wait: bool = True, **options) -> Server:
+    return Server(model, *args, "--kv-transfer-config", pd_transfer_config(role, **options), wait=wait)
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -93,23 +93,31 @@ def in_netns(ns: Namespace, fn: Callable[[], T]) -> T:
 class NetnsProc:
     """A kvserve CLI process inside a namespace, bound to its address; HTTP to it goes through `in_netns`."""
 
-    def __init__(self, ns: Namespace, argv: list[str], name: str, startup_timeout: float = 300) -> None:
+    def __init__(
+        self, ns: Namespace, argv: list[str], name: str, startup_timeout: float = 300, wait: bool = True
+    ) -> None:
+        """With wait=False it returns at once; `wait_healthy` (or server_utils.all_healthy) waits."""
         self.ns = ns
+        self.name = name
         self.port = free_port()
         self.url = f"http://{ns.ip}:{self.port}"
         self.log_path = f"/tmp/kvserve-test-{name}-{self.port}.log"
         self._log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", *argv, "--host", ns.ip, "--port", str(self.port)]
         self.proc = subprocess.Popen(ns.cmd(cmd), stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.time() + startup_timeout
-        while time.time() < deadline:
+        self._deadline = time.time() + startup_timeout
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self) -> NetnsProc:
+        while time.time() < self._deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited during start-up:\n{self.log()}")
+                raise RuntimeError(f"{self.name} exited during start-up:\n{self.log()}")
             if self.get("/health", timeout=1) == 200:
-                return
+                return self
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"{name} did not become healthy:\n{self.log()}")
+        raise RuntimeError(f"{self.name} did not become healthy:\n{self.log()}")
 
     def get(self, path: str, timeout: float = 10) -> int | None:
         def probe() -> int | None:

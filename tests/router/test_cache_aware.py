@@ -12,7 +12,7 @@ import pytest
 
 from kvserve.cluster.process import free_port
 from kvserve.cluster.valkey import ValkeyService
-from tests.entrypoints.openai.server_utils import Server
+from tests.entrypoints.openai.server_utils import Server, all_healthy
 from tests.router.procs import RouterProc
 
 ARGS = ("--dtype", "float32", "--max-model-len", "512", "--block-size", "16")
@@ -46,8 +46,9 @@ def model_path(tiny_model_factory) -> str:
 
 def test_requests_follow_their_cached_prefix_and_survive_the_index_dying(model_path):
     index = ValkeyService()
-    a = Server(model_path, *ARGS, *events_args())
-    b = Server(model_path, *ARGS, *events_args())
+    a, b = all_healthy(
+        Server(model_path, *ARGS, *events_args(), wait=False), Server(model_path, *ARGS, *events_args(), wait=False)
+    )
     router = None
     try:
         p1, p2 = tokens(1, 200), tokens(2, 200)
@@ -98,9 +99,11 @@ def test_round_robin_over_a_shared_pool_matches_one_instance(model_path):
     master = MooncakeMaster()
     node = MooncakeStorageNode(master.address, segment="64 MB")
     pool = f'{{"kv_connector": "pool", "store": "mooncake", "master": "{master.address}", "staging_bytes": "8MiB"}}'
-    a = Server(model_path, *ARGS, "--kv-transfer-config", pool)
-    b = Server(model_path, *ARGS, "--kv-transfer-config", pool)
-    single = Server(model_path, *ARGS)
+    a, b, single = all_healthy(
+        Server(model_path, *ARGS, "--kv-transfer-config", pool, wait=False),
+        Server(model_path, *ARGS, "--kv-transfer-config", pool, wait=False),
+        Server(model_path, *ARGS, wait=False),
+    )
     router = RouterProc([a.url, b.url], "--policy", "round_robin")
     try:
         base = tokens(20, 128)

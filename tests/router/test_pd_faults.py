@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.openai.server_utils import child_pids
+from tests.entrypoints.openai.server_utils import all_healthy, child_pids
 from tests.netns import veth_pair
 from tests.router.pd_procs import (
     NetnsProc,
@@ -84,8 +84,10 @@ def kill_server(proc_pid: int) -> None:
 def cluster(model_path):
     # Leases of 1.5 s (the expiry test), every push stalled halfway; the decode instance waits up to 30 s for
     # a stalled push, and has 24 blocks (384 tokens): a longer request cannot fit there.
-    prefill = pd_server(model_path, "kv_producer", *ARGS, lease_s=1.5, debug_push_stall_s=STALL_S)
-    decode = pd_server(model_path, "kv_consumer", *ARGS, "--num-kv-blocks", "24", timeout_s=30)
+    prefill, decode = all_healthy(
+        pd_server(model_path, "kv_producer", *ARGS, lease_s=1.5, debug_push_stall_s=STALL_S, wait=False),
+        pd_server(model_path, "kv_consumer", *ARGS, "--num-kv-blocks", "24", timeout_s=30, wait=False),
+    )
     router = pd_router([prefill.url], [decode.url])
     yield prefill, decode, router
     router.stop()
@@ -161,8 +163,10 @@ def test_an_expired_lease_is_recomputed_by_the_decode_instance(cluster, model_pa
 
 
 def test_the_decode_instance_killed_mid_transfer(model_path):
-    prefill = pd_server(model_path, "kv_producer", *ARGS, debug_push_stall_s=STALL_S)
-    decode = pd_server(model_path, "kv_consumer", *ARGS, timeout_s=30)
+    prefill, decode = all_healthy(
+        pd_server(model_path, "kv_producer", *ARGS, debug_push_stall_s=STALL_S, wait=False),
+        pd_server(model_path, "kv_consumer", *ARGS, timeout_s=30, wait=False),
+    )
     router = pd_router([prefill.url], [decode.url])
     try:
         want = text_of(httpx.post(f"{prefill.url}/v1/completions", json=body(model_path), timeout=60))
@@ -204,6 +208,7 @@ def test_the_prefill_instance_killed_mid_transfer_across_namespaces(model_path):
                 pd_transfer_config("kv_producer", a.ip, debug_push_stall_s=60),
             ],
             "prefill",
+            wait=False,
         )
         decode = NetnsProc(
             b,
@@ -216,7 +221,9 @@ def test_the_prefill_instance_killed_mid_transfer_across_namespaces(model_path):
                 pd_transfer_config("kv_consumer", b.ip, timeout_s=120),
             ],
             "decode",
+            wait=False,
         )
+        prefill, decode = all_healthy(prefill, decode)
         router = NetnsProc(
             b, ["router", "--prefill", prefill.url, "--decode", decode.url, "--health-interval", "0.5"], "router"
         )

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from tests.entrypoints.openai.server_utils import Server
+from tests.entrypoints.openai.server_utils import Server, all_healthy
 from tests.netns import veth_pair
 from tests.router.pd_procs import (
     NetnsProc,
@@ -35,9 +35,11 @@ def model_path(tiny_model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(model_path):
-    reference = Server(model_path, *ARGS)
-    prefill = pd_server(model_path, "kv_producer", *ARGS)
-    decode = pd_server(model_path, "kv_consumer", *ARGS)
+    reference, prefill, decode = all_healthy(
+        Server(model_path, *ARGS, wait=False),
+        pd_server(model_path, "kv_producer", *ARGS, wait=False),
+        pd_server(model_path, "kv_consumer", *ARGS, wait=False),
+    )
     router = pd_router([prefill.url], [decode.url])
     yield reference, prefill, decode, router
     router.stop()
@@ -123,12 +125,15 @@ def test_the_kv_crosses_a_veth_between_namespaces(model_path):
             a,
             ["serve", "--model", model_path, *ARGS, "--kv-transfer-config", pd_transfer_config("kv_producer", a.ip)],
             "prefill",
+            wait=False,
         )
         decode = NetnsProc(
             b,
             ["serve", "--model", model_path, *ARGS, "--kv-transfer-config", pd_transfer_config("kv_consumer", b.ip)],
             "decode",
+            wait=False,
         )
+        prefill, decode = all_healthy(prefill, decode)
         router = NetnsProc(
             b, ["router", "--prefill", prefill.url, "--decode", decode.url, "--health-interval", "0.5"], "router"
         )

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.openai.server_utils import Server
+from tests.entrypoints.openai.server_utils import Server, all_healthy
 from tests.router.procs import RouterProc
 
 MODEL = "llama-gqa-untied"
@@ -25,7 +25,7 @@ def model_path(tiny_model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def instances(model_path):
-    servers = [Server(model_path, *ARGS) for _ in range(2)]
+    servers = all_healthy(*(Server(model_path, *ARGS, wait=False) for _ in range(2)))
     yield servers
     for s in servers:
         s.stop()
@@ -78,7 +78,7 @@ def test_round_robin_matches_one_instance_and_alternates(instances, model_path):
 
 
 def test_a_dead_instance_leaves_the_rotation_and_its_stream_ends_with_an_error(model_path):
-    a, b = Server(model_path, *ARGS), Server(model_path, *ARGS)
+    a, b = all_healthy(Server(model_path, *ARGS, wait=False), Server(model_path, *ARGS, wait=False))
     router = RouterProc([a.url, b.url], "--policy", "least_loaded")
     try:
         # A long stream on one instance (least_loaded: the first request goes to either; find out which).

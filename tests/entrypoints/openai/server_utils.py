@@ -15,11 +15,19 @@ import time
 import httpx
 import openai
 
+_HANDED_OUT: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on, never one this process handed out before: servers started side by side
+    (all_healthy) have not bound theirs yet when the next one asks."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def child_pids(pid: int) -> list[int]:
@@ -57,7 +65,8 @@ def all_gone(pids: list[int], timeout: float = 5.0) -> bool:
 
 
 class Server:
-    def __init__(self, model: str, *extra: str, startup_timeout: float = 300) -> None:
+    def __init__(self, model: str, *extra: str, startup_timeout: float = 300, wait: bool = True) -> None:
+        """Starts `kvserve serve`; with wait=False it returns at once and `wait_healthy` (or `all_healthy`) waits."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -83,7 +92,12 @@ class Server:
         self.log_path = f"/tmp/kvserve-test-server-{self.port}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.time() + startup_timeout
+        self._deadline = time.time() + startup_timeout
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self) -> Server:
+        deadline = self._deadline
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited during start-up:\n{self.log()}")
@@ -97,6 +111,7 @@ class Server:
             self.stop()
             raise RuntimeError(f"server did not become healthy:\n{self.log()}")
         self.engine_pids = child_pids(self.proc.pid)
+        return self
 
     @property
     def engine_core_pid(self) -> int:
@@ -148,6 +163,20 @@ class Server:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def all_healthy(*servers):
+    """Servers made with wait=False (Server, or anything with wait_healthy and stop), once every one is healthy:
+    their start-ups overlap (a test of several instances waited for each in turn before). If one fails to start,
+    all of them are stopped."""
+    try:
+        for server in servers:
+            server.wait_healthy()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
 
 
 def start_two_long_requests(server: Server, model: str, wait_s: float = 10.0) -> tuple[list[threading.Thread], dict]:
