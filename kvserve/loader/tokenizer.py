@@ -6,6 +6,7 @@ SmolLM2; the result is saved next to the cache so later loads take well under a 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -19,6 +20,25 @@ logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of `path`, parsed once per process while its files are unchanged: engines of one model in
+    one process share the object (as vLLM's cached tokenizers are shared; kvserve never changes it). Parsing
+    SmolLM2's tokenizer.json takes ~0.2 s, most of the start-up of an engine on a tiny model."""
+    if not os.path.exists(path):  # a hub id: transformers resolves (and caches) it
+        return AutoTokenizer.from_pretrained(path)
+    return _load_cached(os.path.abspath(path), _files_signature(path))
+
+
+def _files_signature(path: str) -> tuple:
+    """What changes when the tokenizer's files do: the file's, or every file's of the folder, size and mtime."""
+    if os.path.isdir(path):
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file()))
+    st = os.stat(path)
+    return ((os.path.basename(path), st.st_size, st.st_mtime_ns),)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(path: str, signature: tuple) -> PreTrainedTokenizerBase:
+    del signature  # part of the cache key only
     if not path.endswith(".gguf"):
         return AutoTokenizer.from_pretrained(path)
     st = os.stat(path)
