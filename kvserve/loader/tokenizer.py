@@ -31,7 +31,8 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def _files_signature(path: str) -> tuple:
     """What changes when the tokenizer's files do: the file's, or every file's of the folder, size and mtime."""
     if os.path.isdir(path):
-        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file()))
+        stats = [(e.name, e.stat()) for e in os.scandir(path) if e.is_file()]
+        return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
     st = os.stat(path)
     return ((os.path.basename(path), st.st_size, st.st_mtime_ns),)
 
