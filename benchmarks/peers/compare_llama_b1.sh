@@ -9,6 +9,8 @@
 #
 # kvserve's tg128 is `kvserve bench latency`'s (a 1-token prompt, 128 steps, 3 repeats); dtype auto (bf16 where the
 # CPU has it, fp32 on the AVX2 path).
+# KVSERVE_DTYPE=float32 runs kvserve's activations in fp32 (on a CPU with native bf16, the one-region batch-1 layer
+# then runs: it needs the standard KV layout, and a bf16 cache there is pair-packed).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${1:-3}
@@ -29,7 +31,8 @@ llama() {  # level dir -> "llama LEVEL MEAN"
 }
 kvserve() {  # level quant isa -> "kvserve LEVEL QUANT TOK/S"
   local tg
-  tg=$(KVSERVE_CPU_ISA=$3 "$KV" bench latency --quantization "$2" --repeat 3 --num-threads 2 2>&1 | grep 'tg128')
+  tg=$(KVSERVE_CPU_ISA=$3 "$KV" bench latency --quantization "$2" ${KVSERVE_DTYPE:+--dtype "$KVSERVE_DTYPE"} --repeat 3 \
+    --num-threads 2 2>&1 | grep 'tg128')
   echo "kvserve $1 $2 $(echo "$tg" | awk '{print $3}')"
 }
 {
