@@ -106,7 +106,8 @@ def test_fused_layer_subtracts_the_fp8_key_offsets_as_the_module_path_does(tiny_
         ),
     ],
 )
-@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias-tied"])
+# llama-hd64-long: head_dim 64, so that bf16 takes the pair-packed cache (and, on AMX, the tile attention).
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias-tied", "llama-hd64-long"])
 def test_one_row_int4_layer_is_bitwise_the_module_path(tiny_model_factory, name, dtype, monkeypatch):
     """Batch-1 decode steps with int4 linears run the whole layer in one parallel region (decoder_layer_row.cpp):
     the same tokens and logprobs, to the last bit, as the kernel-by-kernel fused layer and as the module path, on

@@ -7,7 +7,8 @@
 // four barriers:
 //   A  each thread normalises the whole input row and quantizes it itself (a 576-wide row: less than a barrier);
 //   B  qkv by whole heads, then each thread rotates, and writes to the cache, the heads it computed;  | barrier
-//   C  attention, each thread its share of paged_attention.cpp's tasks;                               | barrier
+//   C  attention, each thread its share of the attention kernel's tasks (paged_attention.cpp, or for the
+//      pair-packed bf16 cache packed_decode.h or the AMX tile path);                                     | barrier
 //   D  o;                                                                                              | barrier
 //   E  the post-attention norm (each thread, whole row), gate and up over the same columns, so that each thread's
 //      SiLU-and-mul reads only what it computed;                                                       | barrier
@@ -15,7 +16,7 @@
 // The residual stream is written back in parts after the barrier that follows its last read.
 //
 // Every value is computed by the same code as the module path's (elementwise.h's row bodies, int4_linear.cpp's
-// tiles, paged_attention.cpp's tasks), so the results are bitwise decoder_layer.cpp's.
+// tiles, the attention kernels' tasks), so the results are bitwise decoder_layer.cpp's.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +24,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -31,6 +33,7 @@
 #include "attention_common.h"
 #include "decoder_layer.h"
 #include "elementwise.h"
+#include "kv_layout.h"
 #include "region.h"
 
 namespace kvserve {
@@ -52,12 +55,19 @@ void paged_attention_decode_run(const at::Tensor& q, const at::Tensor& k_cache, 
 
 }  // namespace kvserve
 
+// paged_attention_packed.cpp (the pair-packed bf16 cache)
+void paged_attention_packed_run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out,
+                                const kvserve::PagedShape& p, float scale, int64_t window, const float* alibi,
+                                const int64_t* hidden);
+
 namespace {
 
 using namespace kvserve;
 
 constexpr int kNP = 16;  // output channels per int4 panel (int4_linear.cpp)
 constexpr int kQB = 32;  // features per int4 block
+constexpr int kMaxHeadDim = 256;  // the packed cache write's scratch row
 
 static_assert(kNP % kW == 0, "a thread's panels must start and end on whole vectors (silu_and_mul_span)");
 
@@ -83,7 +93,24 @@ struct RowLayer {
   const float* qkv_bias;  // padded to whole panels, or nullptr
   float eps, scale;
   int64_t window, position, slot;
+  bool packed;  // the cache holds the pair-packed layout (kv_layout.h), bf16
+  int64_t block_size;
 };
+
+// One kv head's K or V row into the cache at L.slot: the standard layout, or the pair-packed one (sanitised in a
+// copy, then scattered, as elementwise.cpp's write_kv_rows_packed does).
+template <typename T>
+void write_kv_head(const RowLayer& L, const T* head, T* cache, int64_t h, bool is_k) {
+  const int64_t hd = L.head_dim;
+  if (!L.packed) return write_kv_span(head, cache + L.slot * L.num_kv_heads * hd + h * hd, hd);
+  T row[kMaxHeadDim];
+  std::memcpy(row, head, hd * sizeof(T));
+  sanitise(row, hd);
+  const int64_t block = L.slot / L.block_size, t = L.slot % L.block_size;
+  T* b = cache + block * L.block_size * L.num_kv_heads * hd;
+  for (int64_t d = 0; d < hd; ++d)
+    b[is_k ? packed_k_offset(t, h, d, L.block_size, hd) : packed_v_offset(t, h, d, L.block_size, hd)] = row[d];
+}
 
 // res: the residual stream, updated in place; without `add` (layer 0) it is the input row x itself, as in
 // decoder_layer.cpp.
@@ -93,7 +120,7 @@ void run_row_layer(const RowLayer& L, const T* x, T* res, bool add, const T* nor
                    const at::Tensor& k_cache_t, const at::Tensor& v_cache_t, const at::Tensor& block_table,
                    const at::Tensor& seq_lens, at::Tensor& attn, const PagedShape& shape, const int64_t* hidden_keys,
                    T* qkv, T* h, T* gate_up, T* act, T* out) {
-  const int64_t hd = L.head_dim, half = hd / 2, kv_size = L.num_kv_heads * hd, q_size = L.num_heads * hd;
+  const int64_t hd = L.head_dim, half = hd / 2, q_size = L.num_heads * hd;
   const int64_t head_panels = hd / kNP, inter_panels = L.inter / kNP;
   const T* c = cos + L.position * half;
   const T* s = sin + L.position * half;
@@ -112,16 +139,20 @@ void run_row_layer(const RowLayer& L, const T* x, T* res, bool add, const T* nor
       T* head = qkv + u * hd;
       if (u < L.num_heads + L.num_kv_heads) rotary_head(head, c, s, hd);
       if (u >= L.num_heads + L.num_kv_heads)
-        write_kv_span(head, v_cache + L.slot * kv_size + (u - L.num_heads - L.num_kv_heads) * hd, hd);
+        write_kv_head(L, head, v_cache, u - L.num_heads - L.num_kv_heads, false);
       else if (u >= L.num_heads)
-        write_kv_span(head, k_cache + L.slot * kv_size + (u - L.num_heads) * hd, hd);
+        write_kv_head(L, head, k_cache, u - L.num_heads, true);
     }
 #pragma omp barrier
     const RegionShare cols = region_share(L.hidden, kW);
     if (add) std::copy(sc.sum.begin() + cols.begin, sc.sum.begin() + cols.end, res + cols.begin);
     // C: attention, this thread's share of the kernel's tasks (parallel_over_tasks).
-    paged_attention_decode_run(q_view, k_cache_t, v_cache_t, block_table, seq_lens, attn, shape, L.scale, L.window,
-                               nullptr, hidden_keys);
+    if (L.packed)
+      paged_attention_packed_run(q_view, k_cache_t, v_cache_t, block_table, seq_lens, attn, shape, L.scale, L.window,
+                                 nullptr, hidden_keys);
+    else
+      paged_attention_decode_run(q_view, k_cache_t, v_cache_t, block_table, seq_lens, attn, shape, L.scale,
+                                 L.window, nullptr, hidden_keys);
 #pragma omp barrier
     // D: o.
     sc.quantize(attn_p, q_size);
@@ -153,7 +184,7 @@ std::atomic<bool> row_layer_enabled{true};
 bool decoder_layer_row_set_enabled(bool on) { return row_layer_enabled.exchange(on); }
 
 // decoder_layer.cpp's llama_decoder_layer for one query row where every linear is int4 and the cache is the
-// standard layout of the model's dtype (no fp8 key offsets); nullopt where it does not apply.
+// standard layout of the model's dtype or the pair-packed bf16 one (no fp8); nullopt where it does not apply.
 std::optional<std::tuple<at::Tensor, at::Tensor>> llama_decoder_layer_row(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual, const std::vector<at::Tensor>& norms,
     const std::vector<std::vector<at::Tensor>>& linears, const c10::optional<at::Tensor>& qkv_bias,
@@ -165,7 +196,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> llama_decoder_layer_row(
   const int64_t num_heads = sizes[4], num_kv_heads = sizes[5], hd = sizes[6], hidden = x.size(1);
   const auto int4 = [](const std::vector<at::Tensor>& w) { return w.size() == 1 && w[0].scalar_type() == at::kByte; };
   const at::ScalarType dt = x.scalar_type();
-  if (!row_layer_enabled.load(std::memory_order_relaxed) || x.size(0) != 1 || packed || (k_offset.has_value() && k_offset->defined()) ||
+  if (!row_layer_enabled.load(std::memory_order_relaxed) || x.size(0) != 1 ||
+      (packed && (dt != at::kBFloat16 || hd > kMaxHeadDim)) || (k_offset.has_value() && k_offset->defined()) ||
       !std::all_of(linears.begin(), linears.end(), int4) || k_cache.scalar_type() != dt ||
       (dt != at::kFloat && dt != at::kBFloat16) || hd % kNP != 0 || gate_up_n % (2 * kNP) != 0 ||
       hidden % kQB != 0 || (num_heads * hd) % kQB != 0 || (gate_up_n / 2) % kQB != 0 ||
@@ -186,7 +218,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> llama_decoder_layer_row(
   at::Tensor out = at::empty({1, hidden}, opts);
   at::Tensor q_view = ws.as_strided({1, num_heads, hd}, {q_size, hd, 1}, 0);  // qkv's first q_size values
   at::Tensor attn = ws.as_strided({1, num_heads, hd}, {q_size, hd, 1}, qkv_n);
-  const PagedShape shape = paged_attention_decode_check(q_view, k_cache, v_cache, block_table, seq_lens);
+  const PagedShape shape = packed ? check_paged_inputs(q_view, k_cache, v_cache, block_table, seq_lens)
+                                  : paged_attention_decode_check(q_view, k_cache, v_cache, block_table, seq_lens);
   const int64_t* hidden_bits = hidden_keys_ptr(hidden_keys, shape.num_seqs);
   at::Tensor bias_padded;
   if (qkv_bias.has_value() && qkv_bias->defined()) {
@@ -210,7 +243,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> llama_decoder_layer_row(
                    static_cast<float>(scale),
                    window,
                    positions.data_ptr<int64_t>()[0],
-                   slot_mapping.data_ptr<int64_t>()[0]};
+                   slot_mapping.data_ptr<int64_t>()[0],
+                   packed,
+                   k_cache.size(1)};
   dispatch_float(x, [&](auto tag) {
     using T = decltype(tag);
     T* ws_p = ws.data_ptr<T>();

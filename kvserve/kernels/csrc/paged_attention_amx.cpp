@@ -269,7 +269,8 @@ void amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
   const int64_t num_kv = shape.num_kv_heads, n_groups = static_cast<int64_t>(groups.size());
   const int64_t hpt = n_groups >= 2 * at::get_num_threads() ? num_kv : 1, per_group = num_kv / hpt;
   const int64_t n_tasks = n_groups * per_group;
-  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
+  const auto run = [&](int64_t begin, int64_t end) {
+    if (begin >= end) return;
     auto w = std::make_unique<Scratch>();
     int configured = 0;
     for (int64_t it = begin; it < end; ++it) {
@@ -290,7 +291,14 @@ void amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
       }
     }
     if (configured) release_tiles();
-  });
+  };
+  // Inside a caller's OpenMP region (decoder_layer_row.cpp), each thread runs its share of the same tasks.
+  if (omp_in_parallel()) {
+    const RegionShare share = region_share(n_tasks);
+    run(share.begin, share.end);
+  } else {
+    at::parallel_for(0, n_tasks, 1, run);
+  }
 }
 
 }  // namespace

@@ -47,6 +47,24 @@ bool packed_kv_supported(int64_t head_dim, int64_t group, int64_t block_size, bo
 // (float8_e4m3fn / float8_e5m2); block_table [S, max_blocks] int32; seq_lens [S] int64 (each >= 1); window: each row
 // sees only its last `window` keys (0: all of them); alibi_slopes: none, or [H] fp32 ALiBi slopes; hidden_keys: none,
 // or [S] int64 tree-attention bits (hidden_keys_ptr, attention_common.h). Returns [S, H, D] bf16.
+// The bf16 call's work into `out` (q, caches and shape checked by the caller): the tile path where AMX-BF16 is
+// usable, else packed_decode.h. Callable inside a caller's OpenMP region (decoder_layer_row.cpp): each thread then
+// runs its share of the same tasks, so the same bits.
+void paged_attention_packed_run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out,
+                                const kvserve::PagedShape& p, float scale, int64_t window, const float* alibi,
+                                const int64_t* hidden) {
+  if (packed_attention_amx_supported(p.head_dim, p.group(), p.block_size)) {
+    paged_attention_packed_amx(q, k_cache, v_cache, block_table, seq_lens, out, p, scale, window, alibi, hidden);
+    return;
+  }
+#if defined(__AVX512BF16__)
+  run_packed_decode(q, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), block_table, seq_lens, out, p,
+                    scale, window, alibi, hidden);
+#endif
+}
+
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window,
                                   c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys) {
@@ -64,15 +82,7 @@ at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                alibi, hidden);
     return out;
   }
-  if (packed_attention_amx_supported(p.head_dim, p.group(), p.block_size)) {
-    paged_attention_packed_amx(q, k_cache, v_cache, block_table, seq_lens, out, p, static_cast<float>(scale), window,
-                               alibi, hidden);
-    return out;
-  }
-#if defined(__AVX512BF16__)
-  run_packed_decode(q, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                    reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), block_table, seq_lens, out, p,
-                    static_cast<float>(scale), window, alibi, hidden);
-#endif
+  paged_attention_packed_run(q, k_cache, v_cache, block_table, seq_lens, out, p, static_cast<float>(scale), window,
+                             alibi, hidden);
   return out;
 }
