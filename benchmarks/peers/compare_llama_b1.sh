@@ -9,8 +9,8 @@
 #
 # kvserve's tg128 is `kvserve bench latency`'s (a 1-token prompt, 128 steps, 3 repeats); dtype auto (bf16 where the
 # CPU has it, fp32 on the AVX2 path).
-# KVSERVE_DTYPE=float32 runs kvserve's activations in fp32 (on a CPU with native bf16, the one-region batch-1 layer
-# then runs: it needs the standard KV layout, and a bf16 cache there is pair-packed).
+# KVSERVE_DTYPE=float32 runs kvserve's activations in fp32 (to set against the default dtype on a CPU with native
+# bf16; before 19dd30c only fp32 took the one-region batch-1 layer there).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${1:-3}
