@@ -10,7 +10,9 @@ batch-invariant (deterministic inference, kvserve/layers/batch_invariant.py).
 
 The one exception is opt-in: with `deterministic=False` and the standard cache layout, big chunks (more than
 1024 x 1024 query-key pairs) go to SDPA, one request at a time, as in the torch reference (attention/torch_ref.py),
-where SDPA is faster than the kernel in fp32; its blocking depends on the chunk, so a token's output then depends on
+where SDPA is faster than the kernel in fp32, and the other chunks of at least _TILE_MIN_ROWS tokens take the
+kernel's tile path (kernels/csrc/paged_attention_chunk.cpp: a tile of query tokens shares each K/V row it reads,
+~2x the row walk in fp32); both sum in an order that depends on the chunk, so a token's output then depends on
 how its prompt was cut.
 
 With a bf16 cache on a CPU with AVX512-BF16, the cache blocks hold the pair-packed layout of
@@ -85,6 +87,11 @@ def unpack_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
 # at every size (the same chunk: 20 ms against SDPA's 45 in bf16), so that layout never uses SDPA.
 _KERNEL_MAX_WORK = 1024 * 1024
 
+# With deterministic=False, a request's chunk of at least this many query tokens takes the kernel's tile path (fp32,
+# the standard layout; the kernel falls back to rows where it does not apply). Shorter ones (decodes, speculative
+# verification rows) stay rows: a tile holds ~10 tokens of a GQA-3 model, and fewer would leave its lanes idle.
+_TILE_MIN_ROWS = 16
+
 
 @dataclass
 class CpuKernelMetadata:
@@ -95,6 +102,9 @@ class CpuKernelMetadata:
     token_seq_lens: torch.Tensor | None  # [N] int64, keys the token sees (its position + 1)
     # Tree attention: the keys among its last 64 each row may not see (common.tree_hidden_keys); None = no tree.
     token_hidden_keys: torch.Tensor | None  # [N] int64
+    # The tile path (deterministic=False): runs of kernel rows that are one request's chunk, [C, 2] int64 (first
+    # row, rows); None = every row by itself.
+    token_chunks: torch.Tensor | None
     prefills: list[PrefillSpan]  # the big chunks, through SDPA (only with deterministic=False)
     packed: bool  # the cache holds the pair-packed layout
 
@@ -184,6 +194,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
             metadata.token_seq_lens,
             metadata.packed,
             metadata.token_hidden_keys,
+            metadata.token_chunks,
         )
 
     def build_metadata(self, inputs: AttentionInputs) -> CpuKernelMetadata:
@@ -209,9 +220,11 @@ class CpuKernelAttentionBackend(AttentionBackend):
             tokens = rows_np
         else:
             tokens = np.arange(num_tokens)
-        table = seq_lens_t = hidden_t = None
+        table = seq_lens_t = hidden_t = chunks_t = None
         if hidden is not None and hidden[tokens].any():
             hidden_t = torch.from_numpy(np.ascontiguousarray(hidden[tokens]))
+        elif not self.batch_invariant(inputs.block_size):
+            chunks_t = self._tile_chunks(qsl, by_kernel)
         if len(req):
             # A request's query tokens are its last q_len positions: token t sees seq_len - (end - 1 - t) keys.
             token_seq_lens = seq_lens[req] - (qsl[req + 1] - 1 - tokens)
@@ -224,9 +237,21 @@ class CpuKernelAttentionBackend(AttentionBackend):
             token_block_table=table,
             token_seq_lens=seq_lens_t,
             token_hidden_keys=hidden_t,
+            token_chunks=chunks_t,
             prefills=prefills,
             packed=self.uses_packed_layout(inputs.block_size),
         )
+
+    @staticmethod
+    def _tile_chunks(qsl: np.ndarray, by_kernel: np.ndarray) -> torch.Tensor | None:
+        """The requests' chunks of at least _TILE_MIN_ROWS kernel rows, as (first row, rows) among the kernel rows
+        (the tokens of SDPA's requests are not rows)."""
+        q_lens = np.diff(qsl)
+        firsts = np.cumsum(np.where(by_kernel, q_lens, 0)) - np.where(by_kernel, q_lens, 0)
+        take = by_kernel & (q_lens >= _TILE_MIN_ROWS)
+        if not take.any():
+            return None
+        return torch.from_numpy(np.stack([firsts[take], q_lens[take]], axis=1).astype(np.int64))
 
     def forward(
         self,
@@ -254,6 +279,8 @@ class CpuKernelAttentionBackend(AttentionBackend):
             metadata.packed,
         )
         attend = self.kernels.paged_attention_packed if metadata.packed else self.kernels.paged_attention_decode
+        # The tile path's chunks: the standard layout's kernel only (the packed layout is batch-invariant: no chunks).
+        chunks = () if metadata.packed else (metadata.token_chunks,)
         window = sliding_window or 0  # the kernels' "no window"
         if metadata.kernel_rows is None:  # the common step: every token by the kernel, no copies
             out = attend(
@@ -266,6 +293,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
                 window,
                 alibi_slopes,
                 metadata.token_hidden_keys,
+                *chunks,
             )
             return out.view(num_tokens, -1)
         out = torch.empty(num_tokens, self.num_heads, hd, dtype=q.dtype)
@@ -280,6 +308,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
                 window,
                 alibi_slopes,
                 metadata.token_hidden_keys,
+                *chunks,
             )
         assert not metadata.packed, "the pair-packed layout never sends chunks to SDPA"
         if is_fp8(key_cache.dtype):  # a chunk's fresh K/V as the cache holds them, as the kernel reads them

@@ -27,6 +27,7 @@ _SOURCES = [
     for name in (
         "bindings.cpp",
         "paged_attention.cpp",
+        "paged_attention_chunk.cpp",
         "paged_attention_packed.cpp",
         "paged_attention_packed_fp8.cpp",
         "paged_attention_amx.cpp",

@@ -186,7 +186,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._fused is not None
         layer, norms, linears, qkv_bias, sizes, eps, attn, rotary = self._fused
-        slot_mapping, block_table, seq_lens, packed, hidden_keys = fused_args
+        slot_mapping, block_table, seq_lens, packed, hidden_keys, chunks = fused_args
         return layer(
             x,
             residual,
@@ -207,6 +207,7 @@ class LlamaDecoderLayer(nn.Module):
             attn.sliding_window or 0,
             attn.k_offset,
             hidden_keys,
+            chunks,
         )
 
     def forward(
@@ -297,9 +298,9 @@ class LlamaForCausalLM(nn.Module):
         if fused_args is not None:
             # Key offsets (fp8 caches) are set after loading and are not in the stack: per-layer calls then.
             if self._stack is not None and layers[0]._fused[6].k_offset is None:
-                slot_mapping, block_table, seq_lens, packed, hidden_keys = fused_args
+                slot_mapping, block_table, seq_lens, packed, hidden_keys, chunks = fused_args
                 x, residual = self._stack.forward(
-                    x, positions, kv_caches, slot_mapping, block_table, seq_lens, packed, hidden_keys
+                    x, positions, kv_caches, slot_mapping, block_table, seq_lens, packed, hidden_keys, chunks
                 )
                 return x + residual
             # Every layer in one C++ call each, without nn.Module's call path (~10 us a layer at batch 1).

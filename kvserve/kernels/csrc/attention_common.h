@@ -17,6 +17,9 @@ namespace kvserve {
 
 struct PagedShape {
   int64_t num_seqs, num_heads, head_dim, block_size, num_kv_heads, table_stride;
+  // The rows the tasks take when not every row of q (paged_attention.cpp: the rows outside the tile path's
+  // chunks): task row i is rows[i], for i < num_seqs. nullptr: rows 0 .. num_seqs - 1.
+  const int64_t* rows = nullptr;
   int64_t group() const { return num_heads / num_kv_heads; }
 };
 
@@ -61,8 +64,8 @@ void parallel_over_tasks(const PagedShape& p, int64_t heads_per_task, MakeWorker
     if (begin >= end) return;
     auto worker = make_worker();
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t task = interleaved(i, n);
-      worker(task / tasks_per_seq, (task % tasks_per_seq) * heads_per_task);
+      const int64_t task = interleaved(i, n), seq = task / tasks_per_seq;
+      worker(p.rows != nullptr ? p.rows[seq] : seq, (task % tasks_per_seq) * heads_per_task);
     }
   };
   if (omp_in_parallel()) {

@@ -7,7 +7,8 @@
 
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window,
-                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys);
+                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys,
+                                  c10::optional<at::Tensor> chunks);
 at::Tensor sample_gumbel(at::Tensor logits, at::Tensor keys);
 at::Tensor argmax_rows(at::Tensor logits);
 std::tuple<at::Tensor, at::Tensor> topk_rows(at::Tensor x, int64_t k);
@@ -47,7 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode, "paged attention for single-token queries (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window") = 0, py::arg("alibi_slopes") = py::none(),
-        py::arg("hidden_keys") = py::none());
+        py::arg("hidden_keys") = py::none(), py::arg("chunks") = py::none());
   m.def("rms_norm_", &rms_norm_, "in-place (residual add +) RMSNorm");
   m.def("rotary_", &rotary_, "in-place rotate-half RoPE on the first heads of each row");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
@@ -92,14 +93,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("residual"), py::arg("norms"), py::arg("linears"), py::arg("qkv_bias"), py::arg("sizes"),
         py::arg("eps"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("packed"),
-        py::arg("window"), py::arg("k_offset"), py::arg("hidden_keys") = py::none());
+        py::arg("window"), py::arg("k_offset"), py::arg("hidden_keys") = py::none(), py::arg("chunks") = py::none());
   py::class_<LlamaLayerStack>(m, "LlamaLayerStack", "every decoder layer of a model in one call (decoder_layer.h)")
       .def(py::init<>())
       .def("add_layer", &LlamaLayerStack::add_layer, py::arg("norms"), py::arg("linears"), py::arg("qkv_bias"),
            py::arg("sizes"), py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("scale"), py::arg("window"))
       .def("forward", &LlamaLayerStack::forward, py::arg("x"), py::arg("positions"), py::arg("kv_caches"),
            py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"), py::arg("packed"),
-           py::arg("hidden_keys") = py::none())
+           py::arg("hidden_keys") = py::none(), py::arg("chunks") = py::none())
       .def_property_readonly("num_layers", &LlamaLayerStack::num_layers);
   m.def("decoder_layer_row_set_enabled", &decoder_layer_row_set_enabled,
         "turn the one-region batch-1 int4 layer (decoder_layer_row.cpp) on or off; returns the previous setting",

@@ -27,7 +27,8 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional
                        at::ScalarType out_dtype);
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window,
-                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys);
+                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys,
+                                  c10::optional<at::Tensor> chunks);
 at::Tensor paged_attention_packed(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window,
                                   c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys);
@@ -53,7 +54,8 @@ at::Tensor apply_linear(const at::Tensor& x, const std::vector<at::Tensor>& w, i
 // x [T, hidden]: the layer's input (before its input norm); residual: the residual stream, none for layer 0.
 // norms: input norm, post-attention norm. linears: qkv, o, gate_up, down, each as apply_linear takes it.
 // sizes: qkv, o, gate_up and down output features, query heads, kv heads, head dim.
-// k_offset: [kv heads * head dim], subtracted from the keys after RoPE (fp8 caches), or none.
+// k_offset: [kv heads * head dim], subtracted from the keys after RoPE (fp8 caches), or none. hidden_keys, chunks:
+// as paged_attention_decode takes them (chunks: the standard layout only).
 // Returns (MLP output, residual), as LlamaDecoderLayer.forward does; x and residual are updated in place.
 std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
     const at::Tensor& x_in, const c10::optional<at::Tensor>& residual, const std::vector<at::Tensor>& norms,
@@ -61,7 +63,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
     const std::vector<int64_t>& sizes, double eps, const at::Tensor& positions, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, bool packed, int64_t window,
-    const c10::optional<at::Tensor>& k_offset, const c10::optional<at::Tensor>& hidden_keys) {
+    const c10::optional<at::Tensor>& k_offset, const c10::optional<at::Tensor>& hidden_keys,
+    const c10::optional<at::Tensor>& chunks) {
   TORCH_CHECK(norms.size() == 2 && linears.size() == 4 && sizes.size() == 7,
               "llama_decoder_layer: 2 norms, 4 linears, 7 sizes");
   at::Tensor x = x_in;
@@ -96,7 +99,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
       packed ? paged_attention_packed(q, k_cache, v_cache, block_table, seq_lens, scale, window, c10::nullopt,
                                       hidden_keys)
              : paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window, c10::nullopt,
-                                      hidden_keys);
+                                      hidden_keys, chunks);
   at::Tensor h = apply_linear(attn.view({t, q_size}), linears[1], o_n, c10::nullopt);
   rms_norm_(h, res, norms[1], eps);  // h = norm(h + res), res = h + res
   at::Tensor out = apply_linear(silu_and_mul(apply_linear(h, linears[2], gate_up_n, c10::nullopt)), linears[3],
@@ -114,7 +117,7 @@ void LlamaLayerStack::add_layer(std::vector<at::Tensor> norms, std::vector<std::
 std::tuple<at::Tensor, at::Tensor> LlamaLayerStack::forward(
     at::Tensor x, at::Tensor positions, const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
     at::Tensor slot_mapping, at::Tensor block_table, at::Tensor seq_lens, bool packed,
-    c10::optional<at::Tensor> hidden_keys) const {
+    c10::optional<at::Tensor> hidden_keys, c10::optional<at::Tensor> chunks) const {
   TORCH_CHECK(kv_caches.size() == layers_.size(), "LlamaLayerStack: one (k, v) cache per layer");
   c10::optional<at::Tensor> residual;
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -122,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor> LlamaLayerStack::forward(
     auto [out, res] = llama_decoder_layer(x, residual, l.norms, l.linears, l.qkv_bias, l.sizes, l.eps, positions,
                                           l.cos, l.sin, std::get<0>(kv_caches[i]), std::get<1>(kv_caches[i]),
                                           slot_mapping, block_table, seq_lens, l.scale, packed, l.window,
-                                          c10::nullopt, hidden_keys);
+                                          c10::nullopt, hidden_keys, chunks);
     x = std::move(out);
     residual = std::move(res);
   }

@@ -13,7 +13,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
     const std::vector<int64_t>& sizes, double eps, const at::Tensor& positions, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, bool packed, int64_t window,
-    const c10::optional<at::Tensor>& k_offset, const c10::optional<at::Tensor>& hidden_keys);
+    const c10::optional<at::Tensor>& k_offset, const c10::optional<at::Tensor>& hidden_keys,
+    const c10::optional<at::Tensor>& chunks = c10::nullopt);
 
 // decoder_layer_row.cpp: one query row, int4 linears, in one parallel region (nullopt where it does not apply).
 std::optional<std::tuple<at::Tensor, at::Tensor>> llama_decoder_layer_row(
@@ -37,7 +38,8 @@ class LlamaLayerStack {
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor positions,
                                              const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
                                              at::Tensor slot_mapping, at::Tensor block_table, at::Tensor seq_lens,
-                                             bool packed, c10::optional<at::Tensor> hidden_keys) const;
+                                             bool packed, c10::optional<at::Tensor> hidden_keys,
+                                             c10::optional<at::Tensor> chunks) const;
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:

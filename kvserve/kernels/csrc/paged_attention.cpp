@@ -409,19 +409,71 @@ void paged_attention_decode_run(const at::Tensor& q, const at::Tensor& k_cache, 
   });
 }
 
+// The tile path's declarations (paged_attention_chunk.cpp).
+bool chunk_tiles_supported(const at::Tensor& q, const PagedShape& p);
+void paged_attention_chunks_run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_table, const at::Tensor& seq_lens, const int64_t* chunks,
+                                int64_t num_chunks, at::Tensor& out, const PagedShape& p, float scale);
+
+// chunks [C, 2] int64 (first row, rows), ascending and disjoint: each a run of one request's consecutive query
+// tokens (seq_lens one more each row) with one block table. Returns the rows outside them, in order.
+std::vector<int64_t> rows_outside_chunks(const at::Tensor& chunks, const at::Tensor& block_table,
+                                         const at::Tensor& seq_lens, const PagedShape& p) {
+  TORCH_CHECK(chunks.scalar_type() == at::kLong && chunks.dim() == 2 && chunks.size(1) == 2 && chunks.is_contiguous(),
+              "chunks: int64 [C, 2]");
+  const int64_t* c = chunks.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  std::vector<int64_t> rows;
+  int64_t next = 0;
+  for (int64_t i = 0; i < chunks.size(0); ++i) {
+    const int64_t first = c[2 * i], n = c[2 * i + 1];
+    TORCH_CHECK(first >= next && n >= 1 && first + n <= p.num_seqs, "chunks: ascending, disjoint runs of rows");
+    const int64_t blocks = (lens[first + n - 1] + p.block_size - 1) / p.block_size;
+    TORCH_CHECK(blocks <= p.table_stride, "chunks: a row sees more keys than its block table holds");
+    for (int64_t r = first + 1; r < first + n; ++r)
+      TORCH_CHECK(lens[r] == lens[first] + (r - first) &&
+                      std::equal(table + first * p.table_stride, table + first * p.table_stride + blocks,
+                                 table + r * p.table_stride),
+                  "chunks: a chunk's rows are one request's consecutive query tokens");
+    for (; next < first; ++next) rows.push_back(next);
+    next = first + n;
+  }
+  for (; next < p.num_seqs; ++next) rows.push_back(next);
+  return rows;
+}
+
 }  // namespace kvserve
 
 // window: each row sees only its last `window` keys (0: all of them); alibi_slopes: none, or [H] fp32 ALiBi slopes
-// (add_alibi); hidden_keys: none, or [S] int64 tree-attention bits (hidden_keys_ptr, attention_common.h). Returns
+// (add_alibi); hidden_keys: none, or [S] int64 tree-attention bits (hidden_keys_ptr, attention_common.h); chunks:
+// none, or runs of rows (rows_outside_chunks) that may take the tile path (paged_attention_chunk.cpp), where a
+// token's result depends on its chunk (used where the inputs allow it: fp32, no window, ALiBi or tree). Returns
 // [S, H, D] in q's dtype. Other arguments as paged_attention_decode_check takes them.
 at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                   at::Tensor seq_lens, double scale, int64_t window,
-                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys) {
-  const kvserve::PagedShape p = kvserve::paged_attention_decode_check(q, k_cache, v_cache, block_table, seq_lens);
+                                  c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys,
+                                  c10::optional<at::Tensor> chunks) {
+  kvserve::PagedShape p = kvserve::paged_attention_decode_check(q, k_cache, v_cache, block_table, seq_lens);
   const float* alibi = kvserve::alibi_slopes_ptr(alibi_slopes, p.num_heads);
   const int64_t* hidden = kvserve::hidden_keys_ptr(hidden_keys, p.num_seqs);
   auto out = at::empty_like(q);
-  kvserve::paged_attention_decode_run(q, k_cache, v_cache, block_table, seq_lens, out, p, static_cast<float>(scale),
-                                      window, alibi, hidden);
+  const bool tiles = chunks.has_value() && chunks->defined() && chunks->numel() > 0 && window == 0 &&
+                     alibi == nullptr && hidden == nullptr && kvserve::chunk_tiles_supported(q, p);
+  if (!tiles) {
+    kvserve::paged_attention_decode_run(q, k_cache, v_cache, block_table, seq_lens, out, p, static_cast<float>(scale),
+                                        window, alibi, hidden);
+    return out;
+  }
+  const std::vector<int64_t> rows = kvserve::rows_outside_chunks(*chunks, block_table, seq_lens, p);
+  kvserve::paged_attention_chunks_run(q, k_cache, v_cache, block_table, seq_lens, chunks->data_ptr<int64_t>(),
+                                      chunks->size(0), out, p, static_cast<float>(scale));
+  if (!rows.empty()) {
+    kvserve::PagedShape rest = p;
+    rest.num_seqs = static_cast<int64_t>(rows.size());
+    rest.rows = rows.data();
+    kvserve::paged_attention_decode_run(q, k_cache, v_cache, block_table, seq_lens, out, rest,
+                                        static_cast<float>(scale), window, alibi, hidden);
+  }
   return out;
 }
