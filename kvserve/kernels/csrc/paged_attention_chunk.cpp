@@ -28,7 +28,10 @@ namespace {
 
 using namespace kvserve;
 
-constexpr int kNq = 2;                               // vectors of query lanes in a tile
+// Vectors of query lanes in a tile: AVX-512's 2 x 16 lanes hold 10 tokens of a GQA-3 model, AVX2's 3 x 8 exactly
+// 8, and its 16 registers still hold the 3 x 4 accumulators of a register block (AVX2, 1 thread, the same prompts:
+// 1.35x the row walk with 3 vectors, 1.09x with 2).
+constexpr int kNq = kNumVecRegs >= 32 ? 2 : 3;
 constexpr int kLanes = kNq * kW;                     // query vectors in a tile
 constexpr int kSpanKeys = 64;                        // keys per online-softmax step
 constexpr int kKeysPerBlock = kNumVecRegs >= 32 ? 8 : 4;  // keys per q.k register block (kNq accumulators each)
