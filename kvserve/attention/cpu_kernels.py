@@ -157,6 +157,8 @@ class CpuKernelAttentionBackend(AttentionBackend):
         if is_fp8(self.kv_cache_dtype):
             layout = f", {packed}{str(self.kv_cache_dtype).removeprefix('torch.')} KV"
         sdpa = "" if self.batch_invariant(block_size) else ", big chunks via SDPA"
+        if sdpa and self.dtype == torch.float32 and self.kernels.vector_isa() in ("avx2", "avx512"):
+            sdpa = ", prompt chunks in tiles, big ones via SDPA"  # paged_attention_chunk.cpp's levels
         return f"C++ {kernel_isa()}{layout}{sdpa}"
 
     def batch_invariant(self, block_size: int) -> bool:

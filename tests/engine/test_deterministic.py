@@ -214,15 +214,17 @@ def startup_line(caplog) -> str:
 
 def test_the_startup_line_says_whether_inference_is_deterministic(model_path, caplog):
     isa = kernel_isa()
+    # fp32 prompt chunks take the kernel's tile path on AVX2 and AVX-512 (paged_attention_chunk.cpp).
+    chunks = "prompt chunks in tiles, big ones via SDPA" if isa != "generic" else "big chunks via SDPA"
     with caplog.at_level("INFO", logger="kvserve.startup"):
         LLM(model_path, dtype="float32", max_model_len=64, deterministic=True)
         assert startup_line(caplog).endswith(f"; kernels=C++ {isa}; deterministic=on")
         LLM(model_path, dtype="float32", max_model_len=64, deterministic=False)
-        assert startup_line(caplog).endswith(f"; kernels=C++ {isa}, big chunks via SDPA; deterministic=off")
+        assert startup_line(caplog).endswith(f"; kernels=C++ {isa}, {chunks}; deterministic=off")
         # By default: on where it costs nothing (the pair-packed bf16 cache), else off, saying why.
         LLM(model_path, dtype="float32", max_model_len=64)
         assert startup_line(caplog).endswith(
-            f"; deterministic=off (attention (C++ {isa}, big chunks via SDPA) not batch-invariant)"
+            f"; deterministic=off (attention (C++ {isa}, {chunks}) not batch-invariant)"
         )
         LLM(model_path, dtype="bfloat16", max_model_len=64)
         if isa == "avx512_bf16":
