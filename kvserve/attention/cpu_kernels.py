@@ -12,8 +12,8 @@ The one exception is opt-in: with `deterministic=False` and the standard cache l
 1024 x 1024 query-key pairs) go to SDPA, one request at a time, as in the torch reference (attention/torch_ref.py),
 where SDPA is faster than the kernel in fp32, and the other chunks of at least _TILE_MIN_ROWS tokens take the
 kernel's tile path (kernels/csrc/paged_attention_chunk.cpp: a tile of query tokens shares each K/V row it reads,
-~2x the row walk in fp32); both sum in an order that depends on the chunk, so a token's output then depends on
-how its prompt was cut.
+2.3x the row walk in fp32 with AVX-512, 1.35x with AVX2); both sum in an order that depends on the chunk, so a
+token's output then depends on how its prompt was cut.
 
 With a bf16 cache on a CPU with AVX512-BF16, the cache blocks hold the pair-packed layout of
 kernels/csrc/kv_layout.h (same block size and place, another order inside), which the packed kernel reads with
@@ -89,7 +89,7 @@ _KERNEL_MAX_WORK = 1024 * 1024
 
 # With deterministic=False, a request's chunk of at least this many query tokens takes the kernel's tile path (fp32,
 # the standard layout; the kernel falls back to rows where it does not apply). Shorter ones (decodes, speculative
-# verification rows) stay rows: a tile holds ~10 tokens of a GQA-3 model, and fewer would leave its lanes idle.
+# verification rows) stay rows: a tile holds 8-10 tokens of a GQA-3 model, and fewer would leave its lanes idle.
 _TILE_MIN_ROWS = 16
 
 
