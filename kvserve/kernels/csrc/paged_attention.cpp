@@ -454,7 +454,7 @@ at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   at::Tensor seq_lens, double scale, int64_t window,
                                   c10::optional<at::Tensor> alibi_slopes, c10::optional<at::Tensor> hidden_keys,
                                   c10::optional<at::Tensor> chunks) {
-  kvserve::PagedShape p = kvserve::paged_attention_decode_check(q, k_cache, v_cache, block_table, seq_lens);
+  const kvserve::PagedShape p = kvserve::paged_attention_decode_check(q, k_cache, v_cache, block_table, seq_lens);
   const float* alibi = kvserve::alibi_slopes_ptr(alibi_slopes, p.num_heads);
   const int64_t* hidden = kvserve::hidden_keys_ptr(hidden_keys, p.num_seqs);
   auto out = at::empty_like(q);
