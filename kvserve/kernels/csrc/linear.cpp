@@ -30,13 +30,22 @@ constexpr int kNP = kNV * kW;  // panel width: weight rows per panel
 // Row tile: kMR x kNV accumulators, kNV weight vectors and one broadcast must fit in the vector registers.
 constexpr int kMR = kNumVecRegs >= 32 ? 12 : 6;
 static_assert(kMR * kNV + kNV + 1 <= kNumVecRegs, "row tile does not fit in the vector registers");
+// Cache lines in one k row of a panel (kNP weights of type T), and in kc of them.
+template <typename T>
+constexpr int kRowLines = static_cast<int>(kNP * sizeof(T) + 63) / 64;
+static_assert(kNP * sizeof(float) <= 128, "a tile's share of the next weights is fetched one line a k step");
+template <typename T>
+int64_t panel_lines(int64_t kc) {
+  return (kc * kNP * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+}
 
 // y[0..MR)[0..ncols) (+)= x[0..MR)[0..kc) @ panel[0..kc)[0..ncols); x rows have stride ldx, y rows stride ldy.
-// kPrefetch: also fetch `next`, the kc x kNP weights this thread reads after these, one panel row a k step
-// (panel_loops.h, prefetch_l1; a template flag, so that the other tiles keep the loop they had).
-template <int MR, bool kPrefetch = false, typename T>
+// kPrefetch: also fetch kPrefetch cache lines of `next` a k step (panel_loops.h, prefetch_l1), `lines` of them in
+// all: some of the weights this thread reads after these (a template value, so that the other tiles keep the loop
+// they had).
+template <int MR, int kPrefetch = 0, typename T>
 inline void row_tile(const float* x, int64_t ldx, const T* panel, int64_t kc, float* y, int64_t ldy, int ncols,
-                     bool accumulate, const T* next = nullptr) {
+                     bool accumulate, const char* next = nullptr, int64_t lines = 0) {
   vf acc[MR][kNV];
   alignas(64) float tmp[kNP];
   for (int i = 0; i < MR; ++i)
@@ -51,13 +60,12 @@ inline void row_tile(const float* x, int64_t ldx, const T* panel, int64_t kc, fl
       for (int v = 0; v < kNV; ++v) acc[i][v] = vload(src + v * kW);
     }
   }
-  constexpr int kRowBytes = kNP * sizeof(T);
   for (int64_t k = 0; k < kc; ++k) {
     vf w[kNV];
     for (int v = 0; v < kNV; ++v) w[v] = vload(panel + k * kNP + v * kW);
-    if constexpr (kPrefetch) {
-      const char* line = reinterpret_cast<const char*>(next + k * kNP);
-      for (int b = 0; b < kRowBytes; b += 64) prefetch_l1(line + b);
+    if constexpr (kPrefetch > 0) {
+      if (k * kPrefetch < lines)
+        for (int b = 0; b < kPrefetch; ++b) prefetch_l1(next + (k * kPrefetch + b) * 64);
     }
     for (int i = 0; i < MR; ++i) {
       const vf b = vset(x[i * ldx + k]);
@@ -101,7 +109,9 @@ inline void tail_tile(int rows, const float* x, int64_t ldx, const T* panel, int
                       int ncols, bool accumulate, const T* next) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      if (next != nullptr) return row_tile<MR, true>(x, ldx, panel, kc, y, ldy, ncols, accumulate, next);
+      if (next != nullptr)
+        return row_tile<MR, kRowLines<T>>(x, ldx, panel, kc, y, ldy, ncols, accumulate,
+                                          reinterpret_cast<const char*>(next), panel_lines<T>(kc));
       return row_tile<MR>(x, ldx, panel, kc, y, ldy, ncols, accumulate);
     }
     tail_tile<MR - 1>(rows, x, ldx, panel, kc, y, ldy, ncols, accumulate, next);
@@ -129,12 +139,24 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
     float* yp = y + m0 * N + p * kNP;
     const T* panel = wp + (p * K + k0) * kNP;
     const float* xp = x + m0 * K + k0;
-    // The next kc rows of the weight stream ([P, K, kNP]) are fetched while the block's first tile runs.
+    // The next kc rows of the weight stream ([P, K, kNP]) are fetched while this block's tiles run, each full tile
+    // a share, one cache line a k step. Fetched all in the first tile (as a lone tile still does), that tile took
+    // ~2.3x the time of the others (perf, kind C); spread, the 30 layers' GEMMs ran 1.06-1.08x faster at 64 rows
+    // and 1.01-1.02x at 2,048 (1.03x / 1.035x forced to AVX2; docs/benchmarks.md).
     const T* next = p * K + k0 + 2 * kcur <= num_panels * K ? panel + kcur * kNP : nullptr;
+    const int64_t tiles = mcur / kMR, lines = panel_lines<T>(kcur);
+    const char* fetch = reinterpret_cast<const char*>(next);
     int64_t i = 0;
-    if (next != nullptr && kMR <= mcur) {
-      row_tile<kMR, true>(xp, K, panel, kcur, yp, N, ncols, k0 > 0, next);
+    if (next != nullptr && tiles == 1) {
+      row_tile<kMR, kRowLines<T>>(xp, K, panel, kcur, yp, N, ncols, k0 > 0, fetch, lines);
       i = kMR;
+    } else if (next != nullptr && tiles > 1) {
+      const int64_t share = cdiv(lines, tiles);  // <= kcur (lines <= 2 kcur): one line a k step suffices
+      for (int64_t t = 0; t < tiles; ++t, i += kMR) {
+        const int64_t first = std::min(lines, t * share);
+        row_tile<kMR, 1>(xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0, fetch + first * 64,
+                         std::min(share, lines - first));
+      }
     }
     for (; i + kMR <= mcur; i += kMR) row_tile<kMR>(xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0);
     if (i < mcur)
