@@ -40,6 +40,27 @@ def test_linear_packed_matches_torch(m, n, k, dtype, tol):
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * k**0.5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_linear_packed_pair_tiles(threads):
+    """AVX-512 tiles two adjacent panels of a thread's share at a time, its odd last panel alone: shares of odd and
+    even panel counts, a partial last panel inside a pair and alone, row counts around the 6-row pair tile, one k
+    block and several (K = 1536)."""
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in ((100, 70), (160, 576), (200, 1536), (64, 33), (96, 8)):
+            w = torch.randn(n, k)
+            wp = K.pack_linear_weight(w)
+            for m in (2, 6, 7, 11, 12, 25, 48, 131):
+                x = torch.randn(m, k)
+                torch.testing.assert_close(
+                    K.linear_packed(x, wp, n, None), F.linear(x, w), rtol=1e-5, atol=1e-5 * k**0.5
+                )
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 700), (200, 1536)])
 def test_linear_packed_row_is_batch_invariant(n, k):
     """A row's output is bitwise the same alone (the batch-1 stream) as inside any batch (the row tiles), so a

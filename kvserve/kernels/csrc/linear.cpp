@@ -5,9 +5,10 @@
 // [num_panels, K, kNP], zero-padded past N. Both ends of the batch range read it well:
 // - batch-1 decode is a matrix-vector product bound by streaming the weights: each thread reads its panels
 //   front to back, one sequential stream the hardware prefetcher follows;
-// - bigger batches run a register-tiled GEMM: kMR input rows x one panel of accumulators; each k step loads
-//   two weight vectors and broadcasts kMR input values for 2 x kMR FMAs, with no horizontal sums. The input
-//   block stays in L2 and the weight sub-panel in L1 across the row tiles (blocks of mc rows and kc).
+// - bigger batches run a register-tiled GEMM: kMR input rows x one panel of accumulators (AVX2), or kMR2 rows x
+//   two adjacent panels (AVX-512); each k step loads the panels' weight vectors for this k and broadcasts one
+//   input value a row, with no horizontal sums. The input block stays in L2 and the weight sub-panels in L1
+//   across the row tiles (blocks of mc rows and kc).
 // BLAS GEMMs on plain weights copy ("pack") the weight panel on every call, which at decode batch sizes costs
 // about as much as the arithmetic; oneDNN avoids it with its own prepacked copy, but that layout is opaque and its
 // batch-1 GEMV reads it slower than a plain stream (docs/benchmarks.md), so keeping both would double the model's
@@ -30,6 +31,15 @@ constexpr int kNP = kNV * kW;  // panel width: weight rows per panel
 // Row tile: kMR x kNV accumulators, kNV weight vectors and one broadcast must fit in the vector registers.
 constexpr int kMR = kNumVecRegs >= 32 ? 12 : 6;
 static_assert(kMR * kNV + kNV + 1 <= kNumVecRegs, "row tile does not fit in the vector registers");
+// Pair tiles, wherever 32 vector registers hold one: kMR2 input rows x two adjacent panels. A k step then loads 4
+// weight vectors and broadcasts kMR2 inputs for the same 24 FMAs (kMR x one panel: 2 and 12), the x rows a tile
+// re-reads from L2 halve, and below kMR rows a tile has twice the independent FMA chains and two weight streams.
+// Against kMR x one panel, the 30 layers' four shapes alternated layer by layer (kind C, 2 threads): 1.04x at
+// 2,048 rows, 1.03-1.05x at 48-512, 1.2x at 2-6 rows (docs/benchmarks.md). AVX2's 16 registers hold no pair tile
+// of more than 3 rows, so it keeps kMR x one panel.
+constexpr int kMR2 = 6;
+constexpr bool kPairTiles = kNumVecRegs >= 32;
+static_assert(!kPairTiles || kMR2 * 2 * kNV + 2 * kNV + 1 <= kNumVecRegs, "pair tile does not fit");
 // Cache lines in one k row of a panel (kNP weights of type T), and in kc of them.
 template <typename T>
 constexpr int kRowLines = static_cast<int>(kNP * sizeof(T) + 63) / 64;
@@ -39,44 +49,56 @@ int64_t panel_lines(int64_t kc) {
   return (kc * kNP * static_cast<int64_t>(sizeof(T)) + 63) / 64;
 }
 
-// y[0..MR)[0..ncols) (+)= x[0..MR)[0..kc) @ panel[0..kc)[0..ncols); x rows have stride ldx, y rows stride ldy.
-// kPrefetch: also fetch kPrefetch cache lines of `next` a k step (panel_loops.h, prefetch_l1), `lines` of them in
-// all: some of the weights this thread reads after these (a template value, so that the other tiles keep the loop
-// they had).
-template <int MR, int kPrefetch = 0, typename T>
-inline void row_tile(const float* x, int64_t ldx, const T* panel, int64_t kc, float* y, int64_t ldy, int ncols,
-                     bool accumulate, const char* next = nullptr, int64_t lines = 0) {
-  vf acc[MR][kNV];
-  alignas(64) float tmp[kNP];
+// Weights a tile fetches while it runs (panel_loops.h, prefetch_l1): `lines` cache lines from `at`, kRate of them
+// a k step: some of the weights this thread reads after the tile's own.
+struct Fetch {
+  const char* at = nullptr;
+  int64_t lines = 0;
+};
+
+// y[0..MR)[0..ncols) (+)= x[0..MR)[0..kc) @ the NP adjacent panels from `panel` (pstride elements apart), rows
+// [0, kc) of each; x rows have stride ldx, y rows stride ldy. kRate: cache lines of `f` (and, in a pair tile, of `g`)
+// fetched a k step (a template value, so that the tiles without it keep the loop they had).
+template <int MR, int NP = 1, int kRate = 0, typename T>
+inline void row_tile(const float* x, int64_t ldx, const T* panel, int64_t pstride, int64_t kc, float* y, int64_t ldy,
+                     int ncols, bool accumulate, Fetch f = {}, Fetch g = {}) {
+  constexpr int NV = NP * kNV;
+  vf acc[MR][NV];
+  alignas(64) float tmp[NP * kNP];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < kNV; ++v) acc[i][v] = vzero();
+    for (int v = 0; v < NV; ++v) acc[i][v] = vzero();
   if (accumulate) {
     for (int i = 0; i < MR; ++i) {
       const float* src = y + i * ldy;
-      if (ncols < kNP) {
+      if (ncols < NP * kNP) {
         std::copy(src, src + ncols, tmp);
         src = tmp;
       }
-      for (int v = 0; v < kNV; ++v) acc[i][v] = vload(src + v * kW);
+      for (int v = 0; v < NV; ++v) acc[i][v] = vload(src + v * kW);
     }
   }
   for (int64_t k = 0; k < kc; ++k) {
-    vf w[kNV];
-    for (int v = 0; v < kNV; ++v) w[v] = vload(panel + k * kNP + v * kW);
-    if constexpr (kPrefetch > 0) {
-      if (k * kPrefetch < lines)
-        for (int b = 0; b < kPrefetch; ++b) prefetch_l1(next + (k * kPrefetch + b) * 64);
+    vf w[NV];
+    for (int q = 0; q < NP; ++q)
+      for (int v = 0; v < kNV; ++v) w[q * kNV + v] = vload(panel + q * pstride + k * kNP + v * kW);
+    if constexpr (kRate > 0) {
+      if (k * kRate < f.lines)
+        for (int b = 0; b < kRate; ++b) prefetch_l1(f.at + (k * kRate + b) * 64);
+      if constexpr (NP > 1) {
+        if (k * kRate < g.lines)
+          for (int b = 0; b < kRate; ++b) prefetch_l1(g.at + (k * kRate + b) * 64);
+      }
     }
     for (int i = 0; i < MR; ++i) {
       const vf b = vset(x[i * ldx + k]);
-      for (int v = 0; v < kNV; ++v) acc[i][v] = vfma(b, w[v], acc[i][v]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = vfma(b, w[v], acc[i][v]);
     }
   }
   for (int i = 0; i < MR; ++i) {
-    if (ncols == kNP) {
-      for (int v = 0; v < kNV; ++v) vstore(y + i * ldy + v * kW, acc[i][v]);
+    if (ncols == NP * kNP) {
+      for (int v = 0; v < NV; ++v) vstore(y + i * ldy + v * kW, acc[i][v]);
     } else {
-      for (int v = 0; v < kNV; ++v) vstore(tmp + v * kW, acc[i][v]);
+      for (int v = 0; v < NV; ++v) vstore(tmp + v * kW, acc[i][v]);
       std::copy(tmp, tmp + ncols, y + i * ldy);
     }
   }
@@ -103,18 +125,18 @@ inline void gemv_panels(const float* x, const T* panels, int64_t K, float* y, in
   std::copy(tmp, tmp + ncols, y);
 }
 
-// The last rows of a block (fewer than kMR): the same tile with MR = rows.
-template <int MR, typename T>
-inline void tail_tile(int rows, const float* x, int64_t ldx, const T* panel, int64_t kc, float* y, int64_t ldy,
-                      int ncols, bool accumulate, const T* next) {
+// The last rows of a block (fewer than a full tile): the same tile with MR = rows; a lone tail fetches its share of
+// the next weights, all of it (f and, in a pair, g), kRowLines a k step.
+template <int MR, int NP, typename T>
+inline void tail_tile(int rows, const float* x, int64_t ldx, const T* panel, int64_t pstride, int64_t kc, float* y,
+                      int64_t ldy, int ncols, bool accumulate, Fetch f, Fetch g = {}) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      if (next != nullptr)
-        return row_tile<MR, kRowLines<T>>(x, ldx, panel, kc, y, ldy, ncols, accumulate,
-                                          reinterpret_cast<const char*>(next), panel_lines<T>(kc));
-      return row_tile<MR>(x, ldx, panel, kc, y, ldy, ncols, accumulate);
+      if (f.at != nullptr || g.at != nullptr)
+        return row_tile<MR, NP, kRowLines<T>>(x, ldx, panel, pstride, kc, y, ldy, ncols, accumulate, f, g);
+      return row_tile<MR, NP>(x, ldx, panel, pstride, kc, y, ldy, ncols, accumulate);
     }
-    tail_tile<MR - 1>(rows, x, ldx, panel, kc, y, ldy, ncols, accumulate, next);
+    tail_tile<MR - 1, NP>(rows, x, ldx, panel, pstride, kc, y, ldy, ncols, accumulate, f, g);
   }
 }
 
@@ -131,11 +153,11 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
     return;
   }
   // Blocks: input rows in blocks of at most ~256 KiB (they stay in L2 while every panel of the thread passes);
-  // k in blocks of ~300 (a ~19 KiB weight sub-panel stays in L1 across the block's row tiles), except for a few
-  // input rows, where each panel then streams front to back.
-  const int64_t kc = M <= kMR ? K : cdiv(K, cdiv(K, 320));
+  // k in blocks of ~300 (a ~36 KiB fp32 weight sub-panel, or a pair's two of ~150, stays in L1 across the block's
+  // row tiles), except for a few input rows, where each panel then streams front to back.
+  const int64_t kc = M <= kMR ? K : cdiv(K, cdiv(K, kPairTiles ? 160 : 320));
   const int64_t mc = row_block_rows(M, K * static_cast<int64_t>(sizeof(float)), kMR);
-  const auto block = [&](int64_t m0, int64_t mcur, int64_t p, int ncols, int64_t k0, int64_t kcur) {
+  const auto single = [&](int64_t m0, int64_t mcur, int64_t p, int ncols, int64_t k0, int64_t kcur) {
     float* yp = y + m0 * N + p * kNP;
     const T* panel = wp + (p * K + k0) * kNP;
     const float* xp = x + m0 * K + k0;
@@ -145,25 +167,66 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
     // and 1.01-1.02x at 2,048 (1.03x / 1.035x forced to AVX2; docs/benchmarks.md).
     const T* next = p * K + k0 + 2 * kcur <= num_panels * K ? panel + kcur * kNP : nullptr;
     const int64_t tiles = mcur / kMR, lines = panel_lines<T>(kcur);
-    const char* fetch = reinterpret_cast<const char*>(next);
+    const Fetch all = next != nullptr ? Fetch{reinterpret_cast<const char*>(next), lines} : Fetch{};
     int64_t i = 0;
     if (next != nullptr && tiles == 1) {
-      row_tile<kMR, kRowLines<T>>(xp, K, panel, kcur, yp, N, ncols, k0 > 0, fetch, lines);
+      row_tile<kMR, 1, kRowLines<T>>(xp, K, panel, 0, kcur, yp, N, ncols, k0 > 0, all);
       i = kMR;
     } else if (next != nullptr && tiles > 1) {
       const int64_t share = cdiv(lines, tiles);  // <= kcur (lines <= 2 kcur): one line a k step suffices
       for (int64_t t = 0; t < tiles; ++t, i += kMR) {
         const int64_t first = std::min(lines, t * share);
-        row_tile<kMR, 1>(xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0, fetch + first * 64,
-                         std::min(share, lines - first));
+        row_tile<kMR, 1, 1>(xp + i * K, K, panel, 0, kcur, yp + i * N, N, ncols, k0 > 0,
+                            {all.at + first * 64, std::min(share, lines - first)});
       }
     }
-    for (; i + kMR <= mcur; i += kMR) row_tile<kMR>(xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0);
+    for (; i + kMR <= mcur; i += kMR) row_tile<kMR>(xp + i * K, K, panel, 0, kcur, yp + i * N, N, ncols, k0 > 0);
     if (i < mcur)
-      tail_tile<kMR - 1>(static_cast<int>(mcur - i), xp + i * K, K, panel, kcur, yp + i * N, N, ncols, k0 > 0,
-                         i == 0 ? next : nullptr);
+      tail_tile<kMR - 1, 1>(static_cast<int>(mcur - i), xp + i * K, K, panel, 0, kcur, yp + i * N, N, ncols, k0 > 0,
+                            i == 0 ? all : Fetch{});
   };
-  for_each_gemm_block(M, N, kNP, K, kc, mc, block);
+  if constexpr (!kPairTiles) {
+    for_each_gemm_block(M, N, kNP, K, kc, mc, single);
+  } else {
+    // Two adjacent panels at a time (a thread's odd last panel alone). Each tile fetches a share of what the thread
+    // reads after this block: both panels' next kc rows, or after their last k block the next two panels' first.
+    for_each_gemm_block<2>(M, N, kNP, K, kc, mc, [&](int64_t m0, int64_t mcur, int64_t p, int ncols, int64_t k0,
+                                                   int64_t kcur) {
+      if (ncols <= kNP) return single(m0, mcur, p, ncols, k0, kcur);
+      float* yp = y + m0 * N + p * kNP;
+      const T* panel = wp + (p * K + k0) * kNP;
+      const float* xp = x + m0 * K + k0;
+      const int64_t pstride = K * kNP, lines = panel_lines<T>(kcur);
+      const bool last = k0 + kcur >= K;
+      const auto next = [&](int64_t q) {
+        if (!last) return Fetch{reinterpret_cast<const char*>(panel + q * pstride + kcur * kNP), lines};
+        if (p + 2 + q >= num_panels) return Fetch{};
+        return Fetch{reinterpret_cast<const char*>(wp + (p + 2 + q) * pstride), lines};
+      };
+      const Fetch fa = next(0), fb = next(1);
+      const int64_t tiles = mcur / kMR2;
+      int64_t i = 0;
+      if (tiles >= 4) {  // half the tiles fetch the first panel's share, half the second's: <= kcur lines a tile
+        const int64_t ta = tiles / 2;
+        for (int64_t t = 0; t < tiles; ++t, i += kMR2) {
+          const bool first_half = t < ta;
+          const Fetch& src = first_half ? fa : fb;
+          const int64_t share = cdiv(src.lines, first_half ? ta : tiles - ta);
+          const int64_t from = std::min(src.lines, (first_half ? t : t - ta) * share);
+          const Fetch mine = src.at != nullptr ? Fetch{src.at + from * 64, std::min(share, src.lines - from)} : Fetch{};
+          row_tile<kMR2, 2, 1>(xp + i * K, K, panel, pstride, kcur, yp + i * N, N, ncols, k0 > 0, mine);
+        }
+      } else if (tiles > 0) {
+        row_tile<kMR2, 2, kRowLines<T>>(xp, K, panel, pstride, kcur, yp, N, ncols, k0 > 0, fa, fb);
+        i = kMR2;
+      }
+      for (; i + kMR2 <= mcur; i += kMR2)
+        row_tile<kMR2, 2>(xp + i * K, K, panel, pstride, kcur, yp + i * N, N, ncols, k0 > 0);
+      if (i < mcur)
+        tail_tile<kMR2 - 1, 2>(static_cast<int>(mcur - i), xp + i * K, K, panel, pstride, kcur, yp + i * N, N, ncols,
+                               k0 > 0, i == 0 ? fa : Fetch{}, i == 0 ? fb : Fetch{});
+    });
+  }
 }
 
 }  // namespace

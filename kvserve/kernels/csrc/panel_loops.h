@@ -47,17 +47,20 @@ void for_each_panel_group(int64_t num_panels, int64_t n, int panel_width, const 
   });
 }
 
-// Batched rows (GEMM): threads take whole panels; a thread walks input rows in blocks of `mc`, then its panels,
-// then k from 0 in blocks of `kc` (a tile resumes from its partial sums after the first k block, so every output
-// still sums k in order). fn(m0, mcur, p, ncols, k0, kcur): rows [m0, m0 + mcur) x panel p (ncols output
-// columns from its first) x k [k0, k0 + kcur), in whatever unit of k the caller's panels use.
-template <typename F>
+// Batched rows (GEMM): threads take whole panels; a thread walks input rows in blocks of `mc`, then its panels
+// kGroup at a time (adjacent panels of its share; its last group may hold fewer), then k from 0 in blocks of `kc`
+// (a tile resumes from its partial sums after the first k block, so every output still sums k in order).
+// fn(m0, mcur, p, ncols, k0, kcur): rows [m0, m0 + mcur) x the group from panel p (ncols output columns from p's
+// first; more than panel_width only where the group holds more than one panel) x k [k0, k0 + kcur), in whatever
+// unit of k the caller's panels use. Threads split panels, not groups, so that their shares stay even.
+template <int kGroup = 1, typename F>
 void for_each_gemm_block(int64_t m, int64_t n, int panel_width, int64_t k, int64_t kc, int64_t mc, const F& fn) {
   at::parallel_for(0, cdiv(n, panel_width), 1, [&](int64_t p_begin, int64_t p_end) {
     for (int64_t m0 = 0; m0 < m; m0 += mc) {
       const int64_t mcur = std::min(mc, m - m0);
-      for (int64_t p = p_begin; p < p_end; ++p) {
-        const int ncols = static_cast<int>(std::min<int64_t>(panel_width, n - p * panel_width));
+      for (int64_t p = p_begin; p < p_end; p += kGroup) {
+        const int64_t panels = std::min<int64_t>(kGroup, p_end - p);
+        const int ncols = static_cast<int>(std::min<int64_t>(panels * panel_width, n - p * panel_width));
         for (int64_t k0 = 0; k0 < k; k0 += kc) fn(m0, mcur, p, ncols, k0, std::min(kc, k - k0));
       }
     }
