@@ -5,10 +5,10 @@
 // [num_panels, K, kNP], zero-padded past N. Both ends of the batch range read it well:
 // - batch-1 decode is a matrix-vector product bound by streaming the weights: each thread reads its panels
 //   front to back, one sequential stream the hardware prefetcher follows;
-// - bigger batches run a register-tiled GEMM: kMR input rows x one panel of accumulators (AVX2), or kMR2 rows x
-//   two adjacent panels (AVX-512); each k step loads the panels' weight vectors for this k and broadcasts one
-//   input value a row, with no horizontal sums. The input block stays in L2 and the weight sub-panels in L1
-//   across the row tiles (blocks of mc rows and kc).
+// - bigger batches run a register-tiled GEMM: kMR input rows x one panel of accumulators, or kMR2 rows x two
+//   adjacent panels (AVX-512; AVX2 for 2-3 rows); each k step loads the panels' weight vectors for this k and
+//   broadcasts one input value a row, with no horizontal sums. The input block stays in L2 and the weight
+//   sub-panels in L1 across the row tiles (blocks of mc rows and kc).
 // BLAS GEMMs on plain weights copy ("pack") the weight panel on every call, which at decode batch sizes costs
 // about as much as the arithmetic; oneDNN avoids it with its own prepacked copy, but that layout is opaque and its
 // batch-1 GEMV reads it slower than a plain stream (docs/benchmarks.md), so keeping both would double the model's
@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "panel_loops.h"
 #include "simd.h"
@@ -31,15 +32,16 @@ constexpr int kNP = kNV * kW;  // panel width: weight rows per panel
 // Row tile: kMR x kNV accumulators, kNV weight vectors and one broadcast must fit in the vector registers.
 constexpr int kMR = kNumVecRegs >= 32 ? 12 : 6;
 static_assert(kMR * kNV + kNV + 1 <= kNumVecRegs, "row tile does not fit in the vector registers");
-// Pair tiles, wherever 32 vector registers hold one: kMR2 input rows x two adjacent panels. A k step then loads 4
-// weight vectors and broadcasts kMR2 inputs for the same 24 FMAs (kMR x one panel: 2 and 12), the x rows a tile
-// re-reads from L2 halve, and below kMR rows a tile has twice the independent FMA chains and two weight streams.
-// Against kMR x one panel, the 30 layers' four shapes alternated layer by layer (kind C, 2 threads): 1.04x at
-// 2,048 rows, 1.03-1.05x at 48-512, 1.2x at 2-6 rows (docs/benchmarks.md). AVX2's 16 registers hold no pair tile
-// of more than 3 rows, so it keeps kMR x one panel.
-constexpr int kMR2 = 6;
-constexpr bool kPairTiles = kNumVecRegs >= 32;
-static_assert(!kPairTiles || kMR2 * 2 * kNV + 2 * kNV + 1 <= kNumVecRegs, "pair tile does not fit");
+// Pair tiles: kMR2 input rows x two adjacent panels. On AVX-512, for every batch: a k step loads 4 weight vectors
+// and broadcasts 6 inputs for the same 24 FMAs (kMR x one panel: 2 and 12), the x rows a tile re-reads from L2
+// halve, and below kMR rows a tile has twice the independent FMA chains and two weight streams. Against kMR x one
+// panel, the 30 layers' four shapes alternated layer by layer (kind C, 2 threads): 1.02-1.04x at 2,048 rows,
+// 1.01-1.05x at 8-512, 1.21-1.27x at 2-6 rows. AVX2 (16 registers: 12 accumulators, 3 broadcasts and one weight
+// vector at a time) takes them for 2-3 rows only, where one chain per accumulator left the FMAs waiting on their
+// latency: 1.25x / 1.20x there, 0.96-1.05x from 6 rows up (forced AVX2 on kind C; docs/benchmarks.md).
+constexpr int kMR2 = kNumVecRegs >= 32 ? 6 : 3;
+constexpr int64_t kPairMaxRows = kNumVecRegs >= 32 ? std::numeric_limits<int64_t>::max() : kMR2;
+static_assert(kMR2 * 2 * kNV + 2 <= kNumVecRegs, "pair tile accumulators do not fit in the vector registers");
 // Cache lines in one k row of a panel (kNP weights of type T), and in kc of them.
 template <typename T>
 constexpr int kRowLines = static_cast<int>(kNP * sizeof(T) + 63) / 64;
@@ -155,7 +157,8 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
   // Blocks: input rows in blocks of at most ~256 KiB (they stay in L2 while every panel of the thread passes);
   // k in blocks of ~300 (a ~36 KiB fp32 weight sub-panel, or a pair's two of ~150, stays in L1 across the block's
   // row tiles), except for a few input rows, where each panel then streams front to back.
-  const int64_t kc = M <= kMR ? K : cdiv(K, cdiv(K, kPairTiles ? 160 : 320));
+  const bool pairs = M <= kPairMaxRows;
+  const int64_t kc = M <= kMR ? K : cdiv(K, cdiv(K, pairs ? 160 : 320));
   const int64_t mc = row_block_rows(M, K * static_cast<int64_t>(sizeof(float)), kMR);
   const auto single = [&](int64_t m0, int64_t mcur, int64_t p, int ncols, int64_t k0, int64_t kcur) {
     float* yp = y + m0 * N + p * kNP;
@@ -185,7 +188,7 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
       tail_tile<kMR - 1, 1>(static_cast<int>(mcur - i), xp + i * K, K, panel, 0, kcur, yp + i * N, N, ncols, k0 > 0,
                             i == 0 ? all : Fetch{});
   };
-  if constexpr (!kPairTiles) {
+  if (!pairs) {
     for_each_gemm_block(M, N, kNP, K, kc, mc, single);
   } else {
     // Two adjacent panels at a time (a thread's odd last panel alone). Each tile fetches a share of what the thread
