@@ -42,9 +42,9 @@ def test_linear_packed_matches_torch(m, n, k, dtype, tol):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_linear_packed_pair_tiles(threads):
-    """AVX-512 tiles two adjacent panels of a thread's share at a time, its odd last panel alone: shares of odd and
-    even panel counts, a partial last panel inside a pair and alone, row counts around the 6-row pair tile, one k
-    block and several (K = 1536)."""
+    """Tiles over two adjacent panels of a thread's share (AVX-512; AVX2 at 2-3 rows), its odd last panel alone: odd and
+    even shares, a partial last panel inside a pair and alone, row counts around the pair tiles, one k block and
+    several (K = 1536)."""
     torch.manual_seed(0)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

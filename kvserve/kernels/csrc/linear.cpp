@@ -58,6 +58,13 @@ struct Fetch {
   int64_t lines = 0;
 };
 
+// Tile t of n's even share of f's lines (nothing where f is empty).
+inline Fetch share_of(const Fetch& f, int64_t t, int64_t n) {
+  if (f.at == nullptr) return {};
+  const int64_t share = cdiv(f.lines, n), from = std::min(f.lines, t * share);
+  return {f.at + from * 64, std::min(share, f.lines - from)};
+}
+
 // y[0..MR)[0..ncols) (+)= x[0..MR)[0..kc) @ the NP adjacent panels from `panel` (pstride elements apart), rows
 // [0, kc) of each; x rows have stride ldx, y rows stride ldy. kRate: cache lines of `f` (and, in a pair tile, of `g`)
 // fetched a k step (a template value, so that the tiles without it keep the loop they had).
@@ -176,12 +183,9 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
       row_tile<kMR, 1, kRowLines<T>>(xp, K, panel, 0, kcur, yp, N, ncols, k0 > 0, all);
       i = kMR;
     } else if (next != nullptr && tiles > 1) {
-      const int64_t share = cdiv(lines, tiles);  // <= kcur (lines <= 2 kcur): one line a k step suffices
-      for (int64_t t = 0; t < tiles; ++t, i += kMR) {
-        const int64_t first = std::min(lines, t * share);
-        row_tile<kMR, 1, 1>(xp + i * K, K, panel, 0, kcur, yp + i * N, N, ncols, k0 > 0,
-                            {all.at + first * 64, std::min(share, lines - first)});
-      }
+      // A share is <= kcur lines (lines <= 2 kcur): one line a k step suffices.
+      for (int64_t t = 0; t < tiles; ++t, i += kMR)
+        row_tile<kMR, 1, 1>(xp + i * K, K, panel, 0, kcur, yp + i * N, N, ncols, k0 > 0, share_of(all, t, tiles));
     }
     for (; i + kMR <= mcur; i += kMR) row_tile<kMR>(xp + i * K, K, panel, 0, kcur, yp + i * N, N, ncols, k0 > 0);
     if (i < mcur)
@@ -212,11 +216,7 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
       if (tiles >= 4) {  // half the tiles fetch the first panel's share, half the second's: <= kcur lines a tile
         const int64_t ta = tiles / 2;
         for (int64_t t = 0; t < tiles; ++t, i += kMR2) {
-          const bool first_half = t < ta;
-          const Fetch& src = first_half ? fa : fb;
-          const int64_t share = cdiv(src.lines, first_half ? ta : tiles - ta);
-          const int64_t from = std::min(src.lines, (first_half ? t : t - ta) * share);
-          const Fetch mine = src.at != nullptr ? Fetch{src.at + from * 64, std::min(share, src.lines - from)} : Fetch{};
+          const Fetch mine = t < ta ? share_of(fa, t, ta) : share_of(fb, t - ta, tiles - ta);
           row_tile<kMR2, 2, 1>(xp + i * K, K, panel, pstride, kcur, yp + i * N, N, ncols, k0 > 0, mine);
         }
       } else if (tiles > 0) {
