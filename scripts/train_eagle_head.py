@@ -103,6 +103,18 @@ _SELF_CHAT_TASKS = (
     "What would the world look like without {}?",
     "Give a step-by-step guide related to {}.",
     "Why do people find {} interesting?",
+    "Write a haiku about {}.",
+    "Explain {} in simple terms.",
+    "What is the most surprising thing about {}?",
+    "Plan a weekend activity around {}.",
+    "Write a short dialogue between two friends about {}.",
+    "What are the pros and cons of {}?",
+    "How has {} changed over the last hundred years?",
+    "Describe {} to someone who has never seen it.",
+    "Write a product description inspired by {}.",
+    "What skills do you need for {}?",
+    "Give me a quiz with three questions about {}.",
+    "Write a motivational message about {}.",
 )
 _SELF_CHAT_TOPICS = (
     "rainforests",
@@ -153,6 +165,76 @@ _SELF_CHAT_TOPICS = (
     "composting",
     "the history of money",
     "a camping trip",
+    "bread and butter",
+    "the Amazon river",
+    "black holes",
+    "knitting",
+    "a marathon of movies",
+    "space exploration",
+    "a school science fair",
+    "owls",
+    "the French revolution",
+    "video games",
+    "tea ceremonies",
+    "a lighthouse",
+    "bird watching",
+    "cloud computing",
+    "the desert",
+    "a wedding",
+    "pottery",
+    "tornadoes",
+    "a food truck",
+    "origami",
+    "penguins",
+    "the Renaissance",
+    "smartphones",
+    "a night sky full of stars",
+    "yoga",
+    "a thunderstorm",
+    "the first day of school",
+    "whales",
+    "online shopping",
+    "a mountain village",
+    "cooking pasta",
+    "bridges",
+    "the human brain",
+    "a science museum",
+    "gardening in winter",
+    "the history of writing",
+    "a lost cat",
+    "basketball",
+    "rain boots",
+    "artificial intelligence",
+    "a treasure map",
+    "skiing",
+    "the Arctic",
+    "vaccines",
+    "a busy airport",
+    "ice cream",
+    "photography",
+    "a rocket launch",
+    "the post office",
+    "sunflowers",
+    "a thrift store",
+    "dragons",
+    "a bakery",
+    "traffic jams",
+    "the Sahara",
+    "a violin",
+    "board games",
+    "the deep sea",
+    "a neighborhood cleanup",
+    "butterflies",
+    "spreadsheets",
+    "a road trip",
+    "electric guitars",
+    "the Great Barrier Reef",
+    "podcasts",
+    "a rainy afternoon indoors",
+    "the Eiffel Tower",
+    "first aid",
+    "a summer festival",
+    "clocks",
 )
 
 
@@ -193,7 +275,12 @@ def main() -> None:
     ap.add_argument("--chat-prompts", type=int, default=0, help="natural chat questions (self-distillation)")
     ap.add_argument("--held-out-chat", type=int, default=0, help="the benchmark's chat prompts, scored held out")
     ap.add_argument("--draft-vocab-sizes", type=int, nargs="*", default=[8192, 16384, 32768])
-    ap.add_argument("--unroll", action="store_true", help="also train the second draft on the head's own features")
+    ap.add_argument("--chat-samples", type=int, default=0, help="more chat questions, replies sampled (not greedy)")
+    ap.add_argument("--chat-temperature", type=float, default=0.8, help="temperature of --chat-samples' replies")
+    ap.add_argument(
+        "--unroll", type=int, nargs="?", const=1, default=0, help="train drafts 2..N+1 on the head's own features"
+    )
+    ap.add_argument("--bf16", action="store_true", help="train under bf16 autocast (CPUs with native bf16)")
     ap.add_argument("--train-seconds", type=float, default=180.0)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=None, help=f"output folder (default: {default_head_dir(DEFAULT_MODEL)})")
@@ -219,9 +306,22 @@ def main() -> None:
     chat = DatasetSpec("chat", num_requests=ns.held_out_chat, seed=0, output_len=(ns.max_tokens,) * 2)
     held_out_prompts += [r.prompt_token_ids for r in build_dataset(chat, 49152, tok)] if ns.held_out_chat else []
     params = SamplingParams(temperature=0.0, max_tokens=ns.max_tokens)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts + held_out_prompts], params)
-    generated = [p + o.outputs[0].token_ids for p, o in zip(prompts + held_out_prompts, outputs, strict=True)]
-    sequences = generated[: len(prompts)] + stdlib_windows(tok, ns.stdlib_windows, ns.window_len, rng)
+    # Sampled replies to more chat questions: the head learns from the target's distributions at every position,
+    # whatever chose the tokens, and sampling widens the contexts beyond the few thousand distinct greedy replies.
+    sampled_prompts = self_chat_prompts(tok, ns.chat_samples, rng)
+    sampled_params = [
+        SamplingParams(temperature=ns.chat_temperature, max_tokens=ns.max_tokens, seed=ns.seed + k)
+        for k in range(len(sampled_prompts))
+    ]
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts + held_out_prompts + sampled_prompts],
+        [params] * len(prompts + held_out_prompts) + sampled_params,
+    )
+    all_prompts = prompts + held_out_prompts + sampled_prompts
+    generated = [p + o.outputs[0].token_ids for p, o in zip(all_prompts, outputs, strict=True)]
+    sampled = generated[len(prompts) + len(held_out_prompts) :]
+    generated = generated[: len(prompts) + len(held_out_prompts)]
+    sequences = generated[: len(prompts)] + sampled + stdlib_windows(tok, ns.stdlib_windows, ns.window_len, rng)
     held_out = generated[len(prompts) :]
     t_gen = time.perf_counter() - t0
     feats = target_features(llm, sequences + held_out)
@@ -247,6 +347,7 @@ def main() -> None:
         draft_vocabs=draft_vocabs,
         held_out_reply_starts=[len(p) for p in held_out_prompts] if held_out else None,
         unroll=ns.unroll,
+        autocast_bf16=ns.bf16,
     )
     save_head(head, config, out, result)
     summary = {

@@ -150,8 +150,9 @@ def train_head(
     held_out: tuple[list[list[int]], list[torch.Tensor]] | None = None,
     draft_vocabs: dict[int, torch.Tensor] | None = None,
     held_out_reply_starts: list[int] | None = None,
-    unroll: bool = False,
+    unroll: int = 0,
     train_steps: int | None = None,
+    autocast_bf16: bool = False,
 ) -> tuple[EagleReference, TrainResult]:
     """Fit a head for about `train_seconds` of wall time (or exactly `train_steps` sequence updates, where given:
     the same head on any machine and under any load, as tests need) on all the sequences, scored on `held_out`
@@ -159,7 +160,9 @@ def train_head(
     `draft_vocabs`: N -> the ids of a draft vocabulary of N tokens, also scored. `held_out_reply_starts` (with
     `held_out`): each held-out sequence's prompt length; then the reply's tokens are also scored alone
     (`reply_top1_accuracy`).
-    `unroll`: also train a second step fed the head's own predicted features (see `_loss`)."""
+    `unroll`: also train that many further draft steps, each fed the head's own predicted features (see `_loss`;
+    True is 1). `autocast_bf16`: the head's and the loss's products in bf16 (autocast: several times faster where
+    the CPU has AMX or avx512_bf16; the loss's LM head is most of an update); the target distributions stay fp32."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     embed = nn.Embedding.from_pretrained(embed_weight)
@@ -213,7 +216,10 @@ def train_head(
             for g in opt.param_groups:
                 g["lr"] = lr * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * done)).item())
             seq, feats = sequences[i], features[i]
-            loss = _loss(head, embed, lm_head, seq, feats, noise * scale, scale, ce_weight, unroll, p_targets.get(i))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+                loss = _loss(
+                    head, embed, lm_head, seq, feats, noise * scale, scale, ce_weight, int(unroll), p_targets.get(i)
+                )
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -254,13 +260,14 @@ def _loss(
     noise: float,
     scale: float,
     ce_weight: float,
-    unroll: bool = False,
+    unroll: int = 0,
     p_target: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The loss of one sequence. `unroll` adds a second pass in which every position is fed the head's own
-    prediction of its feature (pred_{i-1}) and the embedding of the token after, as the engine's second draft is:
+    """The loss of one sequence. Each of `unroll` further passes feeds every position the previous pass's
+    prediction of its feature (pred_{i-1}) and the embedding of the token after, as the engine's next draft is:
     teacher-forced training alone leaves a head that cannot read its own features (EAGLE-3's training-time test
-    does this with an exact mask; here the context is the predicted features too, a stricter approximation)."""
+    does this with an exact mask; here the context is the predicted features too, a stricter approximation).
+    Pass d predicts the feature d + 1 positions past its last true one, as the engine's draft d + 1 does."""
     with torch.no_grad():
         e, f = _inputs(embed, seq, feats)
         f = f + noise * torch.randn_like(f)
@@ -269,21 +276,25 @@ def _loss(
             p_target = _target_probs(lm_head, feats)
     pred = head(e, f)
     loss = _step_loss(lm_head, pred, target, p_target, scale, ce_weight)
-    if unroll and pred.shape[1] > 1:
-        pred2 = head(e[:, 1:], pred[:, :-1])
-        loss = loss + _step_loss(lm_head, pred2, target[:, 1:], p_target[:, 1:], scale, ce_weight)
+    for depth in range(1, unroll + 1):
+        if pred.shape[1] < 2:
+            break
+        pred = head(e[:, depth:], pred[:, :-1])
+        loss = loss + _step_loss(lm_head, pred, target[:, depth:], p_target[:, depth:], scale, ce_weight)
     return loss
 
 
 @torch.no_grad()
 def _target_probs(lm_head, feats: torch.Tensor) -> torch.Tensor:
-    """The target's next-token distribution at every position after the first: [1, len - 1, vocab]."""
-    return torch.softmax(lm_head(feats[1:][None]), dim=-1)
+    """The target's next-token distribution at every position after the first: [1, len - 1, vocab], fp32 (also
+    under bf16 autocast: these are the labels)."""
+    with torch.autocast("cpu", enabled=False):
+        return torch.softmax(lm_head(feats[1:][None].float()), dim=-1)
 
 
 def _step_loss(lm_head, pred, target, p_target, scale: float, ce_weight: float) -> torch.Tensor:
     reg = torch.nn.functional.smooth_l1_loss(pred / scale, target / scale)
-    logp = torch.log_softmax(lm_head(pred), dim=-1)
+    logp = torch.log_softmax(lm_head(pred).float(), dim=-1)
     ce = -(p_target * logp).sum(-1).mean()
     return reg + ce_weight * ce
 

@@ -64,3 +64,42 @@ def test_target_distributions_kept_between_updates_fit_the_same_head(monkeypatch
     (fresh, fresh_calls), (kept, kept_calls) = heads[0], heads[1 << 30]
     assert (fresh_calls, kept_calls) == (12, 4)  # 4 training sequences (one of 5 held out)
     assert all(torch.equal(fresh[k], kept[k]) for k in fresh)
+
+
+def test_unrolled_passes_predict_the_features_further_ahead():
+    """`unroll=2`: pass d (fed pass d - 1's predictions as features, the tokens d positions further on) is scored
+    against the target's features d + 1 positions past its inputs' last true one, as the engine's draft d + 1 is.
+    Written out here pass by pass; a pass scored one position off changes the loss."""
+    from kvserve.spec_decode import eagle_train
+
+    cfg = hf_config()
+    torch.manual_seed(2)
+    head = EagleReference(cfg)
+    embed = nn.Embedding.from_pretrained(torch.randn(cfg.vocab_size, cfg.hidden_size))
+    lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    seq = torch.randint(0, cfg.vocab_size, (13,)).tolist()
+    feats = torch.randn(len(seq), cfg.hidden_size)
+    probs = eagle_train._target_probs(lm_head, feats)
+    with torch.no_grad():
+        got = eagle_train._loss(head, embed, lm_head, seq, feats, 0.0, 1.5, 0.5, unroll=2)
+        pred = head(embed(torch.tensor(seq[1:]))[None], feats[:-1][None])  # row i: feature i + 1
+        want = eagle_train._step_loss(lm_head, pred, feats[None, 1:], probs, 1.5, 0.5)
+        shifted = want.clone()
+        for depth in (1, 2):  # row i: feature i + 1 + depth
+            pred = head(embed(torch.tensor(seq[1 + depth :]))[None], pred[:, :-1])
+            want += eagle_train._step_loss(lm_head, pred, feats[None, 1 + depth :], probs[:, depth:], 1.5, 0.5)
+            shifted += eagle_train._step_loss(lm_head, pred, feats[None, depth:-1], probs[:, depth - 1 : -1], 1.5, 0.5)
+    assert torch.allclose(got, want) and not torch.allclose(got, shifted)
+    # bf16 autocast trains the same way (a few updates, a finite loss).
+    _, result = eagle_train.train_head(
+        cfg,
+        embed.weight,
+        lm_head.weight.detach(),
+        [seq] * 4,
+        [feats] * 4,
+        0.0,
+        train_steps=3,
+        unroll=2,
+        autocast_bf16=True,
+    )
+    assert torch.isfinite(torch.tensor(result.final_loss))
