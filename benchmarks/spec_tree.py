@@ -3,7 +3,8 @@
 `--temperature`).
 
     PYTHONPATH=. python benchmarks/spec_tree.py --head DIR [--dtype float32] [-k 4] [--tree 4 4 12] \\
-        [--draft-vocab-size 0] [--num-requests 4] [--output-len 128 128] [--temperature 0] [--json FILE]
+        [--draft-vocab-size 0] [--quantization int8] [--num-requests 4] [--output-len 128 128] [--temperature 0] \\
+        [--json FILE]
 
 float32 by default (the first figures' dtype); `--dtype bfloat16` runs trees on the pair-packed KV layout where the
 CPU has AVX512-BF16 (its kernel reads the tree mask). Fixed K (`adaptive: false`) for both cells. Prints one
@@ -28,6 +29,7 @@ def cell_args(ns: argparse.Namespace, config: dict, out: str) -> argparse.Namesp
     argv = ["throughput", "--dataset", "chat", "--num-requests", str(ns.num_requests), "--input-len", "64", "128"]
     argv += ["--output-len", *map(str, ns.output_len), "--temperature", str(ns.temperature), "--max-num-seqs", "1"]
     argv += ["--dtype", ns.dtype, "--ablate", "speculative", "--speculative-config", json.dumps(config)]
+    argv += ["--quantization", ns.quantization] if ns.quantization else []
     argv += ["--json", out]
     return parser.parse_args(argv)
 
@@ -39,6 +41,7 @@ def main() -> int:
     ap.add_argument("-k", type=int, default=4, help="the chain's drafts per step")
     ap.add_argument("--tree", type=int, nargs=3, default=[4, 4, 12], metavar=("DEPTH", "TOPK", "NODES"))
     ap.add_argument("--draft-vocab-size", type=int, default=0, help="0: the full vocabulary")
+    ap.add_argument("--quantization", default=None, help="the target's weights: int8 or int4")
     ap.add_argument("--num-requests", type=int, default=4)
     ap.add_argument("--output-len", type=int, nargs=2, default=[128, 128])
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled (trees walk the target's draws)")
@@ -56,6 +59,7 @@ def main() -> int:
         },
     }
     rows, results = [], []
+    weights = f"{ns.dtype} {ns.quantization}" if ns.quantization else ns.dtype
     for name, config in cells.items():
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "cell.json")
@@ -67,7 +71,7 @@ def main() -> int:
         ratio = on["output_tokens_per_s"] / off["output_tokens_per_s"]
         results.append({"cell": name, "ratio": ratio, **result})
         row = (
-            f"| {name} | {ns.dtype} | {on['output_tokens_per_s']:.1f} | {off['output_tokens_per_s']:.1f} | "
+            f"| {name} | {weights} | {on['output_tokens_per_s']:.1f} | {off['output_tokens_per_s']:.1f} | "
             f"**{ratio:.3f}x** | {spec.get('num_draft_tokens', 0)} / {spec.get('num_drafts', 0)} | "
             f"{spec.get('mean_acceptance_length', 0.0):.2f} |"
         )

@@ -13,8 +13,8 @@
 3. kvserve.spec_decode.eagle_train fits the head for --train-seconds of CPU time and writes it, in the published
    EAGLE layout, to the folder `speculative_config={"method": "eagle"}` looks in by default
    (KVSERVE_CACHE_DIR or ~/.cache/kvserve, then eagle/smollm2-135m-instruct). About 17 MB, so not in git.
-   Beside it: token_counts.npy, the token frequencies of the library's training part, for
-   `"draft_vocab_size": N` (kvserve.spec_decode.draft_vocab).
+   Beside it: token_counts.npy, the token frequencies of the library's training part and of the training
+   sequences (weighted equally), for `"draft_vocab_size": N` (kvserve.spec_decode.draft_vocab).
 4. The head's top-1 agreement with the target is scored on held-out text: with --held-out-prompts, replies to
    questions over the library's held-out files (whole sequences, prompt and reply); with --held-out-chat, the
    benchmark's own `chat` prompts (seed 0) and their replies, also scored on the reply's tokens alone
@@ -330,7 +330,7 @@ def main() -> None:
     del llm
 
     vocab_size = model_config.arch.vocab_size
-    counts, coverage = local_token_counts(tok, vocab_size)
+    counts, coverage = local_token_counts(tok, vocab_size, replies=sequences)
     save_counts(out, counts)
     draft_vocabs = {n: torch.from_numpy(draft_vocab_ids(counts, n)) for n in ns.draft_vocab_sizes if n < vocab_size}
     config = hf_llama_config(model_config.arch)

@@ -48,6 +48,14 @@ def count_tokens(token_id_lists: list[list[int]], vocab_size: int) -> np.ndarray
     return counts
 
 
+def mix_counts(*sources: np.ndarray) -> np.ndarray:
+    """Counts of several texts weighted equally whatever their sizes: each one's shares, summed, as int64 (scaled
+    so that distinct shares stay distinct)."""
+    scale = float(1 << 40)
+    mixed = sum(c * (scale / max(int(c.sum()), 1)) for c in sources)
+    return np.asarray(mixed).astype(np.int64)
+
+
 def save_counts(folder: str, counts: np.ndarray) -> str:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, COUNTS_FILE)

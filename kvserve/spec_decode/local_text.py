@@ -15,7 +15,7 @@ import zlib
 
 import numpy as np
 
-from kvserve.spec_decode.draft_vocab import count_tokens
+from kvserve.spec_decode.draft_vocab import count_tokens, mix_counts
 
 # Test suites and bundled tools: large, repetitive, not the library's own prose and code.
 _SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "turtledemo", "ensurepip"}
@@ -63,16 +63,22 @@ def source(path: str) -> str:
         return ""
 
 
-def local_token_counts(tokenizer, vocab_size: int) -> tuple[np.ndarray, dict[int, float]]:
+def local_token_counts(
+    tokenizer, vocab_size: int, replies: list[list[int]] | None = None
+) -> tuple[np.ndarray, dict[int, float]]:
     """Token counts over the library's training part (docstrings and sources), for a draft vocabulary: (counts
     [vocab_size] with the tokenizer's special tokens ranked first, the share of the counted tokens the N most
     frequent cover for a few N). Special tokens (EOS, the chat template's markers) never occur in the text but end
-    every reply."""
+    every reply. `replies`: token ids of text the model itself writes (its replies to chat questions), weighted
+    as much as the library whatever their sizes: library-ranked counts alone missed the target's argmax on 7% of
+    chat reply positions at 16,384 tokens."""
     texts = []
     for path in stdlib_files(held_out=False):
         texts.extend(docstrings(path))
         texts.append(source(path))
     counts = count_tokens([tokenizer.encode(t, add_special_tokens=False) for t in texts if t], vocab_size)
+    if replies:
+        counts = mix_counts(counts, count_tokens(replies, vocab_size))
     top = np.sort(counts)[::-1]
     coverage = {n: round(float(top[:n].sum() / counts.sum()), 4) for n in (4096, 8192, 16384, 32768)}
     special = [i for i in tokenizer.all_special_ids if i < vocab_size]

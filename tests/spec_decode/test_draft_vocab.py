@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.spec_decode.draft_vocab import DraftVocab, draft_vocab_ids, save_counts
+from kvserve.spec_decode.draft_vocab import DraftVocab, draft_vocab_ids, mix_counts, save_counts
 from tests.conftest import assert_all_blocks_free
 from tests.engine.test_spec_decode import assert_same_greedy, copy_prompts, token_ids
 
@@ -44,6 +44,17 @@ def test_draft_vocab_ids_are_the_most_frequent_ascending():
     assert draft_vocab_ids(counts, 8).tolist() == list(range(8))
     with pytest.raises(ValueError, match="draft_vocab_size"):
         draft_vocab_ids(counts, 9)
+
+
+def test_mixed_counts_weigh_each_text_equally():
+    """A small text's frequent tokens make the subset beside a text 1,000 times larger (the model's chat replies
+    beside the library): summed raw counts would rank the large text's rarest token above them."""
+    library = np.array([0, 50_000, 40_000, 30_000, 20, 0])
+    replies = np.array([0, 0, 0, 0, 10, 90])
+    assert draft_vocab_ids(library + replies, 3).tolist() == [1, 2, 3]
+    mixed = mix_counts(library, replies)
+    assert draft_vocab_ids(mixed, 3).tolist() == [1, 2, 5]  # shares 0.42, 0.33, 0.9: token 5 ranks first
+    assert mixed.dtype == np.int64 and mixed[5] > mixed[1] > mixed[2] > mixed[3] > mixed[4] > mixed[0] == 0
 
 
 @pytest.mark.parametrize(
