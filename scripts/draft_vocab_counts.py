@@ -46,7 +46,7 @@ def main() -> None:
             [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=192)
         )
         replies = [list(o.outputs[0].token_ids) for o in outputs]
-    counts, coverage = local_token_counts(tok, vocab_size, replies=replies)
+    counts, coverage = local_token_counts(tok, vocab_size, extra=replies)
     path = save_counts(ns.out or default_head_dir(ns.model), counts)
     print(json.dumps({"out": path, "coverage_of_top_n": coverage}, indent=1))
 

@@ -330,7 +330,7 @@ def main() -> None:
     del llm
 
     vocab_size = model_config.arch.vocab_size
-    counts, coverage = local_token_counts(tok, vocab_size, replies=sequences)
+    counts, coverage = local_token_counts(tok, vocab_size, extra=sequences)
     save_counts(out, counts)
     draft_vocabs = {n: torch.from_numpy(draft_vocab_ids(counts, n)) for n in ns.draft_vocab_sizes if n < vocab_size}
     config = hf_llama_config(model_config.arch)

@@ -64,21 +64,21 @@ def source(path: str) -> str:
 
 
 def local_token_counts(
-    tokenizer, vocab_size: int, replies: list[list[int]] | None = None
+    tokenizer, vocab_size: int, extra: list[list[int]] | None = None
 ) -> tuple[np.ndarray, dict[int, float]]:
     """Token counts over the library's training part (docstrings and sources), for a draft vocabulary: (counts
     [vocab_size] with the tokenizer's special tokens ranked first, the share of the counted tokens the N most
     frequent cover for a few N). Special tokens (EOS, the chat template's markers) never occur in the text but end
-    every reply. `replies`: token ids of text the model itself writes (its replies to chat questions), weighted
-    as much as the library whatever their sizes: library-ranked counts alone missed the target's argmax on 7% of
-    chat reply positions at 16,384 tokens."""
+    every reply. `extra`: token ids of other text, above all what the model itself writes (its replies to chat
+    questions), weighted as much as the library whatever their sizes: library-ranked counts alone left the
+    target's argmax outside 16,384 tokens on 7% of chat reply positions."""
     texts = []
     for path in stdlib_files(held_out=False):
         texts.extend(docstrings(path))
         texts.append(source(path))
     counts = count_tokens([tokenizer.encode(t, add_special_tokens=False) for t in texts if t], vocab_size)
-    if replies:
-        counts = mix_counts(counts, count_tokens(replies, vocab_size))
+    if extra:
+        counts = mix_counts(counts, count_tokens(extra, vocab_size))
     top = np.sort(counts)[::-1]
     coverage = {n: round(float(top[:n].sum() / counts.sum()), 4) for n in (4096, 8192, 16384, 32768)}
     special = [i for i in tokenizer.all_special_ids if i < vocab_size]
