@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 
 from kvserve.loader.default_model import DEFAULT_MODEL, resolve_model_path
 from kvserve.loader.tokenizer import load_tokenizer
@@ -34,8 +35,6 @@ def main() -> None:
     vocab_size = ns.vocab_size or len(tok)
     replies = None
     if ns.chat_replies:
-        import random
-
         from train_eagle_head import self_chat_prompts
 
         from kvserve import LLM, SamplingParams

@@ -319,10 +319,10 @@ def main() -> None:
     )
     all_prompts = prompts + held_out_prompts + sampled_prompts
     generated = [p + o.outputs[0].token_ids for p, o in zip(all_prompts, outputs, strict=True)]
-    sampled = generated[len(prompts) + len(held_out_prompts) :]
-    generated = generated[: len(prompts) + len(held_out_prompts)]
-    sequences = generated[: len(prompts)] + sampled + stdlib_windows(tok, ns.stdlib_windows, ns.window_len, rng)
-    held_out = generated[len(prompts) :]
+    n_train, n_held = len(prompts), len(held_out_prompts)
+    held_out = generated[n_train : n_train + n_held]
+    sequences = generated[:n_train] + generated[n_train + n_held :]  # greedy, then sampled replies
+    sequences += stdlib_windows(tok, ns.stdlib_windows, ns.window_len, rng)
     t_gen = time.perf_counter() - t0
     feats = target_features(llm, sequences + held_out)
     t_feat = time.perf_counter() - t0 - t_gen
