@@ -24,6 +24,7 @@ bf16 as they are read, kernels/csrc/packed_decode.h), else the standard layout.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -35,6 +36,7 @@ from kvserve.attention.common import PrefillSpan, prefill_span, sdpa_prefill_spa
 from kvserve.attention.kv_dtype import is_fp8, quantize_kv
 from kvserve.kernels.cpu import kernel_isa, load_cpu_kernels
 from kvserve.utils import cdiv
+from kvserve.worker.kv_cache import blocks_view
 
 
 def _fp8_tile_offsets(block_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +54,12 @@ def _fp8_tile_offsets(block_size: int, head_dim: int) -> tuple[torch.Tensor, tor
 def pack_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Standard [N, B, Hkv, D] blocks -> the pair-packed order (kv_layout.h), same shape: K tiles [Hkv][D/2][B][2],
     V tiles [Hkv][B/2][D][2]; an fp8 cache in its 64-byte chunks of two such vectors."""
+    return _pack(key_cache, value_cache, is_fp8(key_cache.dtype))
+
+
+def _pack(key_cache: torch.Tensor, value_cache: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
     n, b, h, d = key_cache.shape
-    if is_fp8(key_cache.dtype):
+    if fp8:
         packed = []
         for cache, offsets in zip((key_cache, value_cache), _fp8_tile_offsets(b, d), strict=True):
             out = torch.empty_like(cache).view(n, h, b * d)
@@ -77,6 +83,18 @@ def unpack_kv_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
     k = key_cache.view(n, h, d // 2, b, 2).permute(0, 3, 1, 2, 4)
     v = value_cache.view(n, h, b // 2, d, 2).permute(0, 2, 4, 1, 3)
     return k.reshape(n, b, h, d), v.reshape(n, b, h, d)
+
+
+@functools.cache
+def _packed_token_offsets(block_size: int, num_kv_heads: int, head_dim: int, fp8: bool) -> torch.Tensor:
+    """[2, B, Hkv * D] int64: where each element of the token in slot t of a block sits inside the packed block,
+    for K (0) and V (1). Packs a block of element numbers and inverts the permutation."""
+    numel = block_size * num_kv_heads * head_dim
+    numbers = torch.arange(numel, dtype=torch.int64).view(1, block_size, num_kv_heads, head_dim)
+    out = torch.empty(2, numel, dtype=torch.int64)
+    for i, packed in enumerate(_pack(numbers, numbers, fp8)):
+        out[i, packed.reshape(-1)] = torch.arange(numel)
+    return out.view(2, block_size, num_kv_heads * head_dim)
 
 
 # With deterministic=False and the standard layout, a chunk goes to the kernel if query tokens x context tokens is
@@ -169,19 +187,27 @@ class CpuKernelAttentionBackend(AttentionBackend):
             return super().move_kv_slots(kv_caches, src, dst, block_size)
         if not len(src):
             return
-        # A token's K and V are spread over its block's tiles: unpack the touched blocks, move, pack them back.
-        blocks = np.unique(np.concatenate([src, dst]) // block_size)
+        # A token's K and V are spread over its block's tiles: gather every element of the source tokens, in every
+        # layer, with one index and scatter them with another (the pool is one buffer, blocks_view). Gathering all
+        # sources first is safe: a request's sources lie past all its earlier destinations.
+        pool = blocks_view(kv_caches)  # [N, 2 * layers, B, H, D]
+        n, num_tensors = pool.shape[:2]
+        per_block = pool[0, 0].numel()
+        offsets = _packed_token_offsets(block_size, *pool.shape[3:], is_fp8(pool.dtype))  # [2, B, H * D]
+        # Element e of token slot s in tensor i (K of layer l at 2l, V at 2l + 1): i * numel + block * per_block
+        # + offsets[i % 2, s % block_size, e], the tensors being back to back (allocate_kv_cache).
+        tensor_base = torch.arange(num_tensors, dtype=torch.int64) * (n * per_block)
+        parity = torch.arange(num_tensors) % 2
 
-        def local(slots: np.ndarray) -> torch.Tensor:  # slot -> its place among the unpacked blocks
-            return torch.from_numpy(np.searchsorted(blocks, slots // block_size) * block_size + slots % block_size)
+        def elements(slots: np.ndarray) -> torch.Tensor:
+            slots_t = torch.from_numpy(slots.astype(np.int64))
+            within = offsets[parity[:, None], (slots_t % block_size)[None, :]]  # [2L, M, H * D]
+            return (tensor_base[:, None, None] + (slots_t // block_size * per_block)[None, :, None] + within).view(-1)
 
-        src_t, dst_t, blocks_t = local(src), local(dst), torch.from_numpy(blocks.astype(np.int64))
-        for key_cache, value_cache in kv_caches:
-            k, v = unpack_kv_blocks(key_cache[blocks_t], value_cache[blocks_t])
-            for cache in (k, v):
-                flat = cache.view(-1, *cache.shape[2:])
-                flat[dst_t] = flat[src_t]
-            key_cache[blocks_t], value_cache[blocks_t] = pack_kv_blocks(k, v)
+        first = kv_caches[0][0]
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[first.element_size()]
+        flat = torch.as_strided(first, (num_tensors * first.numel(),), (1,), first.storage_offset()).view(bits)
+        flat[elements(dst)] = flat[elements(src)]
 
     def fused_layer(self):
         return self.kernels.llama_decoder_layer

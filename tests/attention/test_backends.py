@@ -16,6 +16,7 @@ from kvserve.attention.selector import get_attn_backend
 from kvserve.attention.torch_ref import TorchRefAttentionBackend
 from kvserve.kernels.cpu import load_cpu_kernels
 from kvserve.layers.alibi import alibi_slopes
+from kvserve.worker.kv_cache import allocate_kv_cache
 from tests.kernels.build import require_kernels
 
 
@@ -191,6 +192,40 @@ def test_packed_layout_round_trip_and_writes(num_heads, num_kv_heads, head_dim, 
     want_k, want_v = pack_kv_blocks(kc, vc)
     assert torch.equal(pk, want_k) and torch.equal(pv, want_v)
     assert torch.isfinite(pk).all() and torch.isfinite(pv).all()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_move_kv_slots_moves_whole_tokens_in_every_layer(cache_dtype):
+    """A draft tree's accepted path moved into chain order: every layer's K and V of each destination slot become
+    its source's, nothing else changes, in the packed layouts (one gather over the pool) as in the standard one."""
+    torch.manual_seed(0)
+    dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    backend = CpuKernelAttentionBackend(9, 3, 64, dtype, kv_cache_dtype=cache_dtype)
+    block_size, num_blocks, num_layers = 16, 6, 3
+    packed = backend.uses_packed_layout(block_size)
+    if cache_dtype != torch.float32 and not packed:
+        pytest.skip("this CPU keeps the standard layout for this cache dtype")
+    caches = allocate_kv_cache(backend, num_blocks, block_size, num_layers, cache_dtype, "cpu")
+    standard = []
+    for key_cache, value_cache in caches:
+        k = torch.randn(key_cache.shape).to(cache_dtype)
+        v = torch.randn(value_cache.shape).to(cache_dtype)
+        standard.append((k, v))
+        if packed:
+            k, v = pack_kv_blocks(k, v)
+        key_cache.copy_(k)
+        value_cache.copy_(v)
+    # Two requests' paths: sources past their destinations, across a block boundary too.
+    src = np.array([20, 22, 35, 70, 83], dtype=np.int64)
+    dst = np.array([17, 18, 19, 65, 66], dtype=np.int64)
+    backend.move_kv_slots(caches, src, dst, block_size)
+    for (key_cache, value_cache), (k, v) in zip(caches, standard, strict=True):
+        for cache in (k, v):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat[torch.from_numpy(dst)] = flat[torch.from_numpy(src)].clone()
+        got_k, got_v = unpack_kv_blocks(key_cache, value_cache) if packed else (key_cache, value_cache)
+        assert torch.equal(got_k.view(torch.uint8), k.view(torch.uint8))
+        assert torch.equal(got_v.view(torch.uint8), v.view(torch.uint8))
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp-kernel", "torch"])
