@@ -182,6 +182,10 @@ class SpeculativeConfig:
     # draft_model / eagle: the draft's LM head computes the logits of this many most frequent tokens only, from
     # the counts beside the head or draft model (kvserve.spec_decode.draft_vocab); 0: the full vocabulary.
     draft_vocab_size: int = 0
+    # draft_model / eagle: "int8" quantizes the draft's weights at load (the EAGLE head's layer and fc, its draft LM
+    # head; a draft model's linears) whatever the target's; None: a draft model as the target, an EAGLE head in the
+    # model dtype with its LM head in the target's form. vLLM's key name (there it names the checkpoint's method).
+    quantization: str | None = None
     # eagle only: EAGLE-2 draft trees (kvserve.spec_decode.tree) instead of a chain. Any of the three turns them on;
     # the others default. `tree_depth`: most levels below the last verified token; `tree_topk`: children per
     # expanded node (and nodes expanded per level); `tree_num_nodes`: draft tokens verified per step, which is
@@ -241,6 +245,12 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: draft_vocab_size must be an integer >= 0, got {config.draft_vocab_size!r}"
             )
+        if config.quantization in ("none", ""):
+            config.quantization = None
+        if config.quantization not in (None, "int8"):
+            raise ValueError(f"speculative_config: quantization must be 'int8' or none, got {config.quantization!r}")
+        if config.quantization and method == "ngram":
+            raise ValueError("speculative_config: quantization is for the model proposers (draft_model, eagle)")
         if config.draft_vocab_size and method == "ngram":
             raise ValueError("speculative_config: draft_vocab_size is for the model proposers (draft_model, eagle)")
         if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:

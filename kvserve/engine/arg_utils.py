@@ -417,7 +417,7 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
         format="gguf" if gguf_path is not None else "hf",
         tokenizer=gguf_path or path,
         arch=arch,
-        quantization=target.quantization,
+        quantization=spec.quantization or target.quantization,
     )
 
 

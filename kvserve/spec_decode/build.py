@@ -45,4 +45,5 @@ def build_proposer(
         device,
         config.draft_vocab_size,
         (config.tree_depth, config.tree_topk) if config.tree_depth is not None and config.tree_topk else None,
+        config.quantization,
     )

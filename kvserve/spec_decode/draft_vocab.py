@@ -103,13 +103,17 @@ def lm_head_rows(target: nn.Module) -> torch.Tensor:
     return head(eye.to(next(target.parameters()).dtype)).t().contiguous()
 
 
-def reduced_lm_head(target: nn.Module, ids: np.ndarray, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """An LM head over the rows `ids` of the target's, in the target's head's form (int8 if it is int8, else a
-    Linear in `dtype`, packed for the CPU): its logit j is the target head's logit ids[j]."""
+def reduced_lm_head(
+    target: nn.Module, ids: np.ndarray, dtype: torch.dtype, device: torch.device, quantization: str | None = None
+) -> nn.Module:
+    """An LM head over the rows `ids` of the target's, in the target's head's form (int8 if it is int8 or
+    `quantization` is "int8", else a Linear in `dtype`, packed for the CPU): its logit j is the target head's
+    logit ids[j]."""
     rows = lm_head_rows(target)[torch.from_numpy(ids).to(device=device)]
     head = target.lm_head
-    if isinstance(head, Int8Linear):
-        return Int8Linear.from_float(rows.float(), None, rotate=head.rotated, out_dtype=torch.float32)
+    if isinstance(head, Int8Linear) or quantization == "int8":
+        rotate = head.rotated if isinstance(head, Int8Linear) else True
+        return Int8Linear.from_float(rows.float(), None, rotate=rotate, out_dtype=torch.float32)
     linear = Linear(rows.shape[1], rows.shape[0])
     linear.weight = nn.Parameter(rows.to(dtype=dtype, device=device).contiguous(), requires_grad=False)
     linear.pack_for_cpu()
@@ -119,12 +123,20 @@ def reduced_lm_head(target: nn.Module, ids: np.ndarray, dtype: torch.dtype, devi
 class DraftVocab:
     """The draft's LM head over a subset of the vocabulary, and the map from its columns to full ids."""
 
-    def __init__(self, target: nn.Module, source: str, size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        target: nn.Module,
+        source: str,
+        size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str | None = None,
+    ) -> None:
         vocab_size = target.config.vocab_size
         ids = draft_vocab_ids(load_counts(source, vocab_size), size)
         self.size = size
         self.token_ids = torch.from_numpy(ids).to(device)  # [size] full id of each logit column
-        self.head = reduced_lm_head(target, ids, dtype, device)
+        self.head = reduced_lm_head(target, ids, dtype, device, quantization)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """normed [A, hidden] (after the final norm) -> [A, size] fp32 logits over the draft vocabulary."""

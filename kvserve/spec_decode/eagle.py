@@ -29,6 +29,7 @@ from torch import nn
 from kvserve.attention.base import AttentionBackend, KVCache
 from kvserve.config import ArchConfig
 from kvserve.layers.linear import Linear
+from kvserve.layers.quant.apply import quantize_linears
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.loader.default_model import cache_dir
 from kvserve.loader.safetensors_weights import iterate_safetensors
@@ -87,8 +88,15 @@ def iterate_head_checkpoint(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_eagle_head(
-    folder: str, cfg: ArchConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str = "cpu"
+    folder: str,
+    cfg: ArchConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    quantization: str | None = None,
 ) -> EagleHead:
+    """The head in `dtype`, or with int8 linears (`quantization` "int8", layers/quant/apply.py: the head reads its
+    ~8 MB of layer weights four times in a tree step, half of that in int8)."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"EAGLE head folder {folder} does not exist")
     names = {name for name, _ in iterate_head_checkpoint(folder)}
@@ -101,6 +109,8 @@ def load_eagle_head(
     finally:
         torch.set_default_dtype(prev)
     head.load_weights(iterate_head_checkpoint(folder))
+    if quantization is not None:
+        quantize_linears(head, quantization)
     for module in head.modules():
         if isinstance(module, Linear):
             module.pack_for_cpu()
@@ -123,13 +133,15 @@ class EagleProposer(ModelProposer):
         device: torch.device,
         draft_vocab_size: int = 0,
         tree: tuple[int, int] | None = None,
+        quantization: str | None = None,
     ) -> None:
         """`draft_vocab_size` > 0: the drafts' logits cover only that many most frequent tokens (draft_vocab.py;
         the counts file is in `head_dir`). `tree` = (depth, top_k): EAGLE-2 draft trees of at most
-        `num_speculative_tokens` nodes (eagle_tree.py) instead of chains."""
+        `num_speculative_tokens` nodes (eagle_tree.py) instead of chains. `quantization` "int8": the head's
+        linears and the draft vocabulary's LM head in int8 (SpeculativeConfig.quantization)."""
         self.tree = tree
         cfg = target.config
-        self.head = load_eagle_head(head_dir, cfg, backend, dtype, device)
+        self.head = load_eagle_head(head_dir, cfg, backend, dtype, device, quantization)
         self.target = target
         # The head has the target's attention shape, so the target's backend and step metadata serve it too.
         super().__init__(
@@ -145,7 +157,7 @@ class EagleProposer(ModelProposer):
             device,
         )
         if draft_vocab_size:
-            self.draft_vocab = DraftVocab(target, head_dir, draft_vocab_size, dtype, device)
+            self.draft_vocab = DraftVocab(target, head_dir, draft_vocab_size, dtype, device, quantization)
 
     reads_target_hidden = True
 

@@ -48,7 +48,7 @@ def propose_trees(proposer: EagleProposer, step: DraftStepInputs, depth: int, to
     if not num_s:
         return DraftProposal([], [], num_pass_requests=len(step.rows))
     assert logits is not None and features is not None
-    root_log_probs = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()  # [S, V] (or the draft vocabulary's)
+    root_values, root_ids = _top_log_probs(logits, top_k)  # [S, top_k] (columns of the draft vocabulary if set)
     limits = np.minimum(step.max_drafts, proposer.k)
     drafts: list[list[int]] = []
     parents: list[list[int]] = []
@@ -62,8 +62,8 @@ def propose_trees(proposer: EagleProposer, step: DraftStepInputs, depth: int, to
             drafts.append([])
             parents.append([])
             continue
-        grower = _Expander(proposer, batch.block_table[rows[i]], int(next_pos[i]), features[i])
-        tree = grow_eagle2_tree(root_log_probs[i], grower.expand, fits, top_k, int(limits[i]))
+        grower = _Expander(proposer, batch.block_table[rows[i]], int(next_pos[i]), features[i], top_k)
+        tree = grow_eagle2_tree((root_values[i], root_ids[i]), grower.expand, fits, top_k, int(limits[i]))
         drafts.append(grower.full_ids(tree.tokens).tolist())
         parents.append(tree.parents.tolist())
     return DraftProposal(
@@ -87,8 +87,10 @@ class _Expander:
         block_table: np.ndarray,  # [max_blocks] the request's row of the batch's block table
         root_pos: int,
         root_feature: torch.Tensor,  # [hidden] the head's predicted feature of the root's position
+        top_k: int,
     ) -> None:
         self.proposer = proposer
+        self.top_k = top_k
         self.block_table = block_table
         self.root_pos = root_pos
         self.root_feature = root_feature
@@ -101,7 +103,7 @@ class _Expander:
         """Pool tokens (draft-vocabulary columns when the head has one) -> full vocabulary ids."""
         return tokens if self.vocab_ids is None else self.vocab_ids[tokens]
 
-    def expand(self, pool: DraftTree, frontier: np.ndarray) -> np.ndarray:
+    def expand(self, pool: DraftTree, frontier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         proposer = self.proposer
         closure: set[int] = set()
         for f in frontier.tolist():
@@ -139,4 +141,13 @@ class _Expander:
             self.features[n] = out[j]
         # The LM head over the frontier only: the ancestors' rows were scored when they were the frontier.
         picked = proposer.to_device(np.array([local[int(f)] for f in frontier], dtype=np.int64))
-        return torch.log_softmax(proposer.draft_logits(out[picked]).float(), dim=-1).cpu().numpy()
+        return _top_log_probs(proposer.draft_logits(out[picked]), self.top_k)
+
+
+def _top_log_probs(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """[A, V] logits -> the k best tokens' log-probs and ids, each [A, k] on the host, best first: only these leave
+    the device, not whole rows (ties: torch.topk's order, which changes the tree, never an output)."""
+    logits = logits.float()
+    values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
+    values = values - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return values.double().cpu().numpy(), ids.cpu().numpy()

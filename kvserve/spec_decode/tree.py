@@ -51,20 +51,46 @@ class DraftTree:
         return mask
 
 
+# The draft's log-probs of a node's next token: over the whole vocabulary ([V], or [F, V] for F nodes), or their
+# top-k already taken, (log-probs, token ids) each [k] (or [F, k]), best first, which a caller holding the logits
+# on a device computes there (torch.topk) instead of copying whole rows out.
+LogProbs = np.ndarray | tuple[np.ndarray, np.ndarray]
+
+
+def top_k_log_probs(log_probs: LogProbs, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(log-probs, token ids) [..., k] of the k best tokens, best first; full rows are cut with a stable sort (ties
+    in token order), pairs pass through (their first k)."""
+    if isinstance(log_probs, tuple):
+        values, ids = log_probs
+        return np.asarray(values, dtype=np.float64)[..., :k], np.asarray(ids, dtype=np.int64)[..., :k]
+    rows = np.asarray(log_probs, dtype=np.float64)
+    k = min(k, rows.shape[-1])
+    # The first k of a stable descending sort, in O(V) per row: every token at or above the k-th largest value
+    # (ties included, in index order), then sorted stably among themselves.
+    flat = rows.reshape(-1, rows.shape[-1])
+    ids = np.empty((len(flat), k), dtype=np.int64)
+    for r, row in enumerate(flat):
+        kth = np.partition(row, row.shape[-1] - k)[row.shape[-1] - k]
+        cands = np.flatnonzero(row >= kth)
+        ids[r] = cands[np.argsort(-row[cands], kind="stable")[:k]]
+    values = np.take_along_axis(flat, ids, axis=1)
+    return values.reshape(*rows.shape[:-1], k), ids.reshape(*rows.shape[:-1], k)
+
+
 def grow_eagle2_tree(
-    root_log_probs: np.ndarray,
-    expand: Callable[[DraftTree, np.ndarray], np.ndarray],
+    root_log_probs: LogProbs,
+    expand: Callable[[DraftTree, np.ndarray], LogProbs],
     depth: int,
     top_k: int,
     total_nodes: int,
 ) -> DraftTree:
-    """EAGLE-2's dynamic tree. `root_log_probs` [V]: the draft's log-probs of the token after the root. Depth 1
-    takes its top_k tokens. At each further depth, the top_k nodes of the last depth by cumulative log-prob (the
-    frontier) are expanded: `expand(pool, frontier)` returns [len(frontier), V] log-probs of each frontier node's
-    next token (the pool holds every candidate so far, so the callback can read a node's path), and each frontier
-    node gets its top_k children. Finally every candidate is reranked by cumulative log-prob and the best
-    `total_nodes` kept. A child never scores above its parent (log-probs <= 0) and ties keep the earlier-made
-    node, so the kept set holds every kept node's ancestors."""
+    """EAGLE-2's dynamic tree. `root_log_probs`: the draft's log-probs of the token after the root (LogProbs).
+    Depth 1 takes its top_k tokens. At each further depth, the top_k nodes of the last depth by cumulative
+    log-prob (the frontier) are expanded: `expand(pool, frontier)` returns each frontier node's next-token
+    log-probs, one row per frontier node (the pool holds every candidate so far, so the callback can read a node's
+    path), and each frontier node gets its top_k children. Finally every candidate is reranked by cumulative
+    log-prob and the best `total_nodes` kept. A child never scores above its parent (log-probs <= 0) and ties keep
+    the earlier-made node, so the kept set holds every kept node's ancestors."""
     if depth < 1 or top_k < 1 or total_nodes < 1:
         raise ValueError(f"draft tree: depth, top_k and total_nodes must be >= 1 (got {depth}, {top_k}, {total_nodes})")
     # A kept node's ancestors are kept too, so no kept node is deeper than total_nodes: levels past it would
@@ -75,29 +101,21 @@ def grow_eagle2_tree(
     parents: list[int] = []
     scores: list[float] = []
 
-    def add_children(parent: int, base: float, log_probs: np.ndarray) -> list[int]:
-        k = min(top_k, log_probs.shape[-1])
-        # The first k of a stable descending sort, in O(V): every token at or above the k-th largest value
-        # (ties included, in index order), then sorted stably among themselves.
-        kth = np.partition(log_probs, log_probs.shape[-1] - k)[log_probs.shape[-1] - k]
-        cands = np.flatnonzero(log_probs >= kth)
-        best = cands[np.argsort(-log_probs[cands], kind="stable")[:k]]
-        made = []
-        for t in best:
-            made.append(len(tokens))
-            tokens.append(int(t))
-            parents.append(parent)
-            scores.append(base + float(log_probs[t]))
+    def add_children(parent: int, base: float, values: np.ndarray, ids: np.ndarray) -> list[int]:
+        made = list(range(len(tokens), len(tokens) + len(ids)))
+        tokens.extend(ids.tolist())
+        parents.extend([parent] * len(ids))
+        scores.extend((base + values).tolist())
         return made
 
-    last = add_children(-1, 0.0, np.asarray(root_log_probs, dtype=np.float64))
+    last = add_children(-1, 0.0, *top_k_log_probs(root_log_probs, top_k))
     for _ in range(depth - 1):
         order = sorted(last, key=lambda j: (-scores[j], j))
         frontier = np.array(order[:top_k], dtype=np.int64)
         pool = DraftTree(np.array(tokens, dtype=np.int64), np.array(parents, dtype=np.int64), np.array(scores))
-        log_probs = np.asarray(expand(pool, frontier), dtype=np.float64)
-        assert log_probs.shape[0] == len(frontier), (log_probs.shape, len(frontier))
-        last = [c for f, lp in zip(frontier, log_probs, strict=True) for c in add_children(int(f), scores[f], lp)]
+        values, ids = top_k_log_probs(expand(pool, frontier), top_k)
+        assert values.shape[0] == len(frontier), (values.shape, len(frontier))
+        last = [c for f, v, i in zip(frontier, values, ids, strict=True) for c in add_children(int(f), scores[f], v, i)]
     keep = sorted(sorted(range(len(tokens)), key=lambda j: (-scores[j], j))[:total_nodes])  # creation = topo order
     new_index = {old: new for new, old in enumerate(keep)}
     kept_parents = [-1 if parents[j] < 0 else new_index[parents[j]] for j in keep]

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.spec_decode.tree import DraftTree, compact_kv, compaction_moves, grow_eagle2_tree, walk_tree
+from kvserve.spec_decode.tree import (
+    DraftTree,
+    compact_kv,
+    compaction_moves,
+    grow_eagle2_tree,
+    top_k_log_probs,
+    walk_tree,
+)
 
 
 def test_grow_hand_example_exact():
@@ -77,6 +84,41 @@ def test_grow_random_is_the_best_ancestor_closed_set(seed, depth, top_k, total):
         kept = set(np.round(tree.scores, 12).tolist())
         dropped = [x for x in made if round(x, 12) not in kept]
         assert not dropped or max(dropped) <= tree.scores.min() + 1e-12
+
+
+def test_grow_from_top_k_pairs_equals_grow_from_rows():
+    """A caller may hand over each row's top-k (log-probs, ids) instead of the whole row (eagle_tree.py takes
+    them with torch.topk): the same tree, and a row's top-k is a stable sort's (ties in token order)."""
+    rng = np.random.default_rng(3)
+    rows = {}
+
+    def row(key):
+        if key not in rows:
+            x = rng.random(20) ** 3
+            x[rng.integers(20, size=3)] = x.max()  # ties at the top
+            rows[key] = np.log(x / x.sum())
+        return rows[key]
+
+    def path(pool, j):
+        out = []
+        while j >= 0:
+            out.append(int(pool.tokens[j]))
+            j = int(pool.parents[j])
+        return tuple(reversed(out))
+
+    full = grow_eagle2_tree(row(()), lambda pool, f: np.stack([row(path(pool, j)) for j in f]), 4, 3, 10)
+    pairs = grow_eagle2_tree(
+        top_k_log_probs(row(()), 3),
+        lambda pool, f: top_k_log_probs(np.stack([row(path(pool, j)) for j in f]), 3),
+        4,
+        3,
+        10,
+    )
+    for field in ("tokens", "parents", "scores"):
+        np.testing.assert_array_equal(getattr(full, field), getattr(pairs, field))
+    values, ids = top_k_log_probs(row(()), 3)
+    order = sorted(range(20), key=lambda t: (-row(())[t], t))[:3]
+    assert ids.tolist() == order and values.tolist() == row(())[order].tolist()
 
 
 def test_ancestor_mask_exact():

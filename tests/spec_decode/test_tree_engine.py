@@ -173,6 +173,8 @@ def test_adaptive_policy_runs_with_trees(target_path, fitted_head, plain):
         ({"method": "eagle", "num_speculative_tokens": 3, "tree_topk": 0}, "tree_topk must be an integer >= 1"),
         ({"method": "eagle", "num_speculative_tokens": 3, "tree_num_nodes": 5}, "differ"),
         ({"method": "eagle", "tree_depth": 2, "tree_topk": 2, "tree_num_nodes": 7}, "exceeds the 6 nodes"),
+        ({"method": "eagle", "num_speculative_tokens": 3, "quantization": "int4"}, "quantization must be 'int8'"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "quantization": "int8"}, "for the model proposers"),
     ],
 )
 def test_config_errors(config, match):
@@ -203,6 +205,23 @@ def test_bf16_pair_packed_greedy_identical(hd64_target_and_head, tree):
     assert_same_greedy(plain_bf16, spec, copy_prompts(4, 13), max_tokens=40)
     stats = spec.stats()["spec_decoding"]
     assert stats["num_accepted_tokens_per_pos"][1] > 0  # paths two deep were accepted (and moved, for a tree)
+
+
+def test_int8_draft_greedy_identical(hd64_target_and_head):
+    """`quantization: int8` in the speculative config: the head's linears are int8 (the bf16 target's are not),
+    outputs stay speculation off's, and the int8 head's drafts are still accepted two deep."""
+    from kvserve.layers.quant.int8_linear import Int8Linear
+
+    target, head = hd64_target_and_head
+    common = {"dtype": "bfloat16", "max_model_len": 256, "deterministic": True}
+    plain_bf16 = LLM(target, **common)
+    spec = LLM(target, **common, speculative_config=tree_config(head, quantization="int8"))
+    proposer = spec.engine.engine_core.executor.driver_runner.proposer
+    layer = proposer.head.layers[0]
+    assert isinstance(proposer.head.fc, Int8Linear) and isinstance(layer.mlp.down_proj, Int8Linear)
+    assert not isinstance(proposer.target.model.layers[0].mlp.down_proj, Int8Linear)
+    assert_same_greedy(plain_bf16, spec, copy_prompts(4, 13), max_tokens=40)
+    assert spec.stats()["spec_decoding"]["num_accepted_tokens_per_pos"][1] > 0
 
 
 @pytest.mark.slow
