@@ -3,8 +3,8 @@
 `--temperature`).
 
     PYTHONPATH=. python benchmarks/spec_tree.py --head DIR [--dtype float32] [-k 4] [--tree 4 4 12] \\
-        [--draft-vocab-size 0] [--quantization int8] [--num-requests 4] [--output-len 128 128] [--temperature 0] \\
-        [--json FILE]
+        [--draft-vocab-size 0] [--quantization int8] [--draft-quantization int8] [--num-requests 4] \\
+        [--output-len 128 128] [--temperature 0] [--repeat 1] [--json FILE]
 
 float32 by default (the first figures' dtype); `--dtype bfloat16` runs trees on the pair-packed KV layout where the
 CPU has AVX512-BF16 (its kernel reads the tree mask). Fixed K (`adaptive: false`) for both cells. Prints one
@@ -30,7 +30,7 @@ def cell_args(ns: argparse.Namespace, config: dict, out: str) -> argparse.Namesp
     argv += ["--output-len", *map(str, ns.output_len), "--temperature", str(ns.temperature), "--max-num-seqs", "1"]
     argv += ["--dtype", ns.dtype, "--ablate", "speculative", "--speculative-config", json.dumps(config)]
     argv += ["--quantization", ns.quantization] if ns.quantization else []
-    argv += ["--json", out]
+    argv += ["--repeat", str(ns.repeat), "--json", out]
     return parser.parse_args(argv)
 
 
@@ -42,12 +42,16 @@ def main() -> int:
     ap.add_argument("--tree", type=int, nargs=3, default=[4, 4, 12], metavar=("DEPTH", "TOPK", "NODES"))
     ap.add_argument("--draft-vocab-size", type=int, default=0, help="0: the full vocabulary")
     ap.add_argument("--quantization", default=None, help="the target's weights: int8 or int4")
+    ap.add_argument("--draft-quantization", default=None, help="the head's weights (speculative config): int8")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per cell in ABBA order (each cell's median run)")
     ap.add_argument("--num-requests", type=int, default=4)
     ap.add_argument("--output-len", type=int, nargs=2, default=[128, 128])
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled (trees walk the target's draws)")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
     base = {"method": "eagle", "model": ns.head, "adaptive": False, "draft_vocab_size": ns.draft_vocab_size}
+    if ns.draft_quantization:
+        base["quantization"] = ns.draft_quantization
     depth, topk, nodes = ns.tree
     cells = {
         f"chain K={ns.k}": {**base, "num_speculative_tokens": ns.k},
@@ -60,6 +64,7 @@ def main() -> int:
     }
     rows, results = [], []
     weights = f"{ns.dtype} {ns.quantization}" if ns.quantization else ns.dtype
+    weights += f", head {ns.draft_quantization}" if ns.draft_quantization else ""
     for name, config in cells.items():
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "cell.json")

@@ -146,7 +146,11 @@ class LlamaDecoderLayer(nn.Module):
         calls the same kernels in the same order, so results are bitwise the module path's."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        ops = (self.input_layernorm, self.post_attention_layernorm, attn.rotary, mlp.act_fn)
+        # An EAGLE-1 head's layer has no input norm (spec_decode/eagle.py deletes it): the C++ layer then takes an
+        # empty one and uses its input as it is.
+        input_norm = getattr(self, "input_layernorm", None)
+        post_norm = self.post_attention_layernorm
+        ops = tuple(op for op in (input_norm, post_norm, attn.rotary, mlp.act_fn) if op is not None)
         layer = attn.backend.fused_layer()
         specs = [_fused_linear_spec(m) for m in linears]
         if (
@@ -155,17 +159,18 @@ class LlamaDecoderLayer(nn.Module):
             or attn.qk_norm
             or any(m.bias is not None for m in linears[1:])
             or any(op.impl != "cpu" for op in ops)
-            or self.input_layernorm.eps != self.post_attention_layernorm.eps
+            or (input_norm is not None and input_norm.eps != post_norm.eps)
         ):
             self._fused = None
             return
+        no_norm = post_norm.weight.new_empty(0)
         self._fused = (
             layer,
-            [self.input_layernorm.weight, self.post_attention_layernorm.weight],
+            [no_norm if input_norm is None else input_norm.weight, post_norm.weight],
             specs,
             attn.qkv_proj.bias,
             [m.out_features for m in linears] + [attn.num_heads, attn.num_kv_heads, attn.head_dim],
-            self.input_layernorm.eps,
+            post_norm.eps,
             attn,  # held here (not as a submodule) so that a step reads its attributes without nn.Module lookups
             attn.rotary,
         )

@@ -119,6 +119,21 @@ class TopK(CustomOp):
         return self.kernels.topk_rows(x.float().contiguous(), k)
 
 
+class TopLogProbs(CustomOp):
+    """Each row's k most likely tokens as log-probs, best first: [B, V] fp32 logits, k -> ([B, k], [B, k] int64),
+    i.e. TopK of log_softmax(x) (ties to the lower index on the cpu path) without the whole log_softmax row: a
+    draft tree takes 4 of 8-16k per expanded node, and torch's topk plus logsumexp cost ~0.15 ms there for 4 rows."""
+
+    def forward_native(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.float()
+        values, indices = x.topk(k, dim=-1)
+        return values - torch.logsumexp(x, dim=-1, keepdim=True), indices
+
+    def forward_cpu(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.kernels is not None
+        return self.kernels.topk_log_softmax_rows(x.float().contiguous(), k)
+
+
 class Sampler:
     def __init__(self, device: torch.device | str = "cpu", use_kernel: bool = True) -> None:
         self.gumbel = GumbelSample(device, use_kernel)
@@ -126,6 +141,7 @@ class Sampler:
         # False: the general path (benchmarks compare the two).
         self.fused_draw = self.gumbel.impl == "cuda"
         self.topk = TopK(device, use_kernel)
+        self.top_log_probs = TopLogProbs(device, use_kernel)
         self.argmax = Argmax(device, use_kernel)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:

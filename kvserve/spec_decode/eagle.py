@@ -68,6 +68,10 @@ class EagleHead(nn.Module):
         """-> [T, hidden] predicted features (the target's LM head turns them into logits)."""
         layer = self.layers[0]
         residual = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
+        fused_args = layer.fused_args(attn_metadata)
+        if fused_args is not None:  # the C++ layer in one call (without an input norm), as the target's layers
+            out, residual = layer.forward_fused(positions, residual, None, kv_cache, fused_args)
+            return out + residual
         x = layer.self_attn(positions, residual, kv_cache, attn_metadata)
         x, residual = layer.post_attention_layernorm(x, residual)
         return layer.mlp(x) + residual
@@ -114,6 +118,7 @@ def load_eagle_head(
     for module in head.modules():
         if isinstance(module, Linear):
             module.pack_for_cpu()
+    head.layers[0].prepare_fused()
     head.eval()
     head.requires_grad_(False)
     return head

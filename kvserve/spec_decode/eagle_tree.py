@@ -48,7 +48,7 @@ def propose_trees(proposer: EagleProposer, step: DraftStepInputs, depth: int, to
     if not num_s:
         return DraftProposal([], [], num_pass_requests=len(step.rows))
     assert logits is not None and features is not None
-    root_values, root_ids = _top_log_probs(logits, top_k)  # [S, top_k] (columns of the draft vocabulary if set)
+    root_values, root_ids = _top_log_probs(proposer, logits, top_k)  # [S, top_k] (draft vocabulary columns if set)
     limits = np.minimum(step.max_drafts, proposer.k)
     drafts: list[list[int]] = []
     parents: list[list[int]] = []
@@ -141,13 +141,11 @@ class _Expander:
             self.features[n] = out[j]
         # The LM head over the frontier only: the ancestors' rows were scored when they were the frontier.
         picked = proposer.to_device(np.array([local[int(f)] for f in frontier], dtype=np.int64))
-        return _top_log_probs(proposer.draft_logits(out[picked]), self.top_k)
+        return _top_log_probs(proposer, proposer.draft_logits(out[picked]), self.top_k)
 
 
-def _top_log_probs(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+def _top_log_probs(proposer: EagleProposer, logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     """[A, V] logits -> the k best tokens' log-probs and ids, each [A, k] on the host, best first: only these leave
-    the device, not whole rows (ties: torch.topk's order, which changes the tree, never an output)."""
-    logits = logits.float()
-    values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
-    values = values - torch.logsumexp(logits, dim=-1, keepdim=True)
+    the device, not whole rows (sample/sampler.py's TopLogProbs)."""
+    values, ids = proposer.sampler.top_log_probs(logits, min(k, logits.shape[-1]))
     return values.double().cpu().numpy(), ids.cpu().numpy()

@@ -13,6 +13,7 @@ from kvserve.sample.sampler import (
     Sampler,
     SamplingMetadata,
     TopK,
+    TopLogProbs,
     apply_min_p,
     apply_top_k_top_p,
     gumbel_sample,
@@ -258,6 +259,25 @@ def test_cpu_topk_breaks_ties_by_the_lower_index(k):
     ref_values, ref_ids = reference_topk(x, k)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(values, ref_values, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("vocab,k", [(1, 1), (7, 3), (64, 4), (1000, 8), (16384, 4)])
+def test_top_log_probs_are_the_top_of_log_softmax(vocab, k):
+    """The draft tree's top-k log-probs: the kernel (one pass, no log_softmax row) against log_softmax then the
+    stable top-k; the native path against the same values (its order among ties is torch.topk's)."""
+    top = TopLogProbs()
+    assert top.impl == "cpu", "the C++ kernels failed to build"
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(5, vocab, generator=g) * 4).to(torch.bfloat16).float()  # ties, as among bf16 logits
+    x[1] = 0.5
+    x[2, 1::3] = -torch.inf  # masked entries (each row keeps a finite one)
+    x[3, -1] = x[3].max() + 30  # one dominant token: the others' log-probs far below
+    want_values, want_ids = reference_topk(torch.log_softmax(x, dim=-1), k)
+    values, ids = top(x, k)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(values, want_values, rtol=1e-5, atol=1e-5)
+    native_values, _ = top.forward_native(x, k)
+    torch.testing.assert_close(native_values, want_values, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 64, 1000, 49152])

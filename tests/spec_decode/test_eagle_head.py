@@ -15,6 +15,7 @@ from kvserve.loader.arch_config import arch_config_from_hf
 from kvserve.spec_decode.eagle import load_eagle_head
 from kvserve.spec_decode.eagle_train import EagleReference
 from kvserve.worker.kv_cache import allocate_kv_cache
+from tests.kernels.build import require_kernels
 
 
 def hf_config() -> transformers.LlamaConfig:
@@ -90,3 +91,56 @@ def test_missing_tensor_is_a_clear_error(tmp_path):
     backend = get_attn_backend(4, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="down_proj"):
         load_eagle_head(str(tmp_path), arch_config_from_hf(cfg.to_dict(), {}), backend, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "dtype,quantization", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int8")]
+)
+def test_fused_head_layer_is_the_module_path(tmp_path, dtype, quantization):
+    """With the C++ kernels the head's layer runs as one call without an input norm (kernels/csrc/decoder_layer.cpp):
+    bitwise what its modules compute, for one row (the C++ layer's row path is for layers with an input norm) and
+    for several under a tree mask."""
+    require_kernels()
+    cfg = hf_config()
+    cfg.head_dim = 64  # the pair-packed bf16 layout's head size, so that bf16 runs on it where the CPU has it
+    cfg.hidden_size = 128
+    cfg.num_attention_heads = 2
+    cfg.num_key_value_heads = 1
+    torch.manual_seed(1)
+    tensors = {
+        k: torch.randn_like(v) * 0.2 + (1.0 if "norm" in k else 0.0)
+        for k, v in EagleReference(cfg).checkpoint().items()
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    arch = arch_config_from_hf(cfg.to_dict(), {})
+    backend = get_attn_backend(2, 1, 64, dtype, name="cpu", deterministic=True)
+    head = load_eagle_head(str(tmp_path), arch, backend, dtype, quantization=quantization)
+    layer = head.layers[0]
+    assert layer._fused is not None and layer._fused[1][0].numel() == 0
+    block_size = 16
+    block_table = np.array([[3, 1, 2, 0]], dtype=np.int32)
+    mask = np.tril(np.ones((5, 5), dtype=bool))
+    mask[3, 1:3] = False  # query token 3 sees token 0 only before itself: a tree of two branches
+    outs = {}
+    for fused in (True, False):
+        layer.use_fused = fused
+        kv = allocate_kv_cache(backend, 4, block_size, 1, dtype, "cpu")
+        got = []
+        for start, n, masks in ((0, 20, None), (20, 1, None), (21, 5, {0: mask})):
+            pos = np.arange(start, start + n)
+            inputs = AttentionInputs(
+                num_decodes=1 if n == 1 else 0,
+                query_start_loc=np.array([0, n]),
+                seq_lens=np.array([start + n]),
+                block_table=block_table,
+                slot_mapping=block_table[0, pos // block_size].astype(np.int64) * block_size + pos % block_size,
+                block_size=block_size,
+                query_masks=masks,
+            )
+            g = torch.Generator().manual_seed(start)
+            embeds = torch.randn(n, 128, generator=g).to(dtype)
+            feats = torch.randn(n, 128, generator=g).to(dtype)
+            with torch.inference_mode():
+                got.append(head(embeds, feats, torch.from_numpy(pos), kv[0], backend.build_metadata(inputs)))
+        outs[fused] = torch.cat(got)
+    assert torch.equal(outs[True], outs[False])

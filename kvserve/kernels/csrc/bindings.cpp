@@ -12,6 +12,7 @@ at::Tensor paged_attention_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v
 at::Tensor sample_gumbel(at::Tensor logits, at::Tensor keys);
 at::Tensor argmax_rows(at::Tensor logits);
 std::tuple<at::Tensor, at::Tensor> topk_rows(at::Tensor x, int64_t k);
+std::tuple<at::Tensor, at::Tensor> topk_log_softmax_rows(at::Tensor x, int64_t k);
 void rms_norm_(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
 void rotary_(at::Tensor qk, at::Tensor positions, at::Tensor cos, at::Tensor sin, int64_t num_heads, int64_t head_dim);
 at::Tensor silu_and_mul(at::Tensor x);
@@ -108,4 +109,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_gumbel", &sample_gumbel, "one categorical draw per row of logits (Gumbel-max, hashed noise)");
   m.def("argmax_rows", &argmax_rows, "each row's argmax as torch.argmax(dim=-1): first maximum, NaN wins");
   m.def("topk_rows", &topk_rows, "each row's k largest entries, largest first, ties to the lower index");
+  m.def("topk_log_softmax_rows", &topk_log_softmax_rows, "topk_rows of each row, as log-probs (minus its logsumexp)");
 }

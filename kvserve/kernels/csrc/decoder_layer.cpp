@@ -52,7 +52,9 @@ at::Tensor apply_linear(const at::Tensor& x, const std::vector<at::Tensor>& w, i
 }  // namespace
 
 // x [T, hidden]: the layer's input (before its input norm); residual: the residual stream, none for layer 0.
-// norms: input norm, post-attention norm. linears: qkv, o, gate_up, down, each as apply_linear takes it.
+// norms: input norm, post-attention norm; an empty input norm means none (an EAGLE-1 head's layer, whose input is
+// its fc output, taken as it is: then no residual either). linears: qkv, o, gate_up, down, each as apply_linear
+// takes it.
 // sizes: qkv, o, gate_up and down output features, query heads, kv heads, head dim.
 // k_offset: [kv heads * head dim], subtracted from the keys after RoPE (fp8 caches), or none. hidden_keys, chunks:
 // as paged_attention_decode takes them (chunks: the standard layout only).
@@ -72,7 +74,10 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
   const int64_t qkv_n = sizes[0], o_n = sizes[1], gate_up_n = sizes[2], down_n = sizes[3];
   const int64_t num_heads = sizes[4], num_kv_heads = sizes[5], head_dim = sizes[6];
   const int64_t t = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  if (t == 1) {
+  const bool input_norm = norms[0].numel() > 0;
+  TORCH_CHECK(input_norm || !(residual.has_value() && residual->defined()),
+              "llama_decoder_layer: a layer without an input norm takes no residual");
+  if (t == 1 && input_norm) {
     auto row = llama_decoder_layer_row(x, residual, norms, linears, qkv_bias, sizes, eps, positions, cos, sin, k_cache,
                                        v_cache, slot_mapping, block_table, seq_lens, scale, packed, window, k_offset,
                                        hidden_keys);
@@ -82,10 +87,12 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
   if (residual.has_value() && residual->defined()) {
     res = *residual;
     rms_norm_(x, res, norms[0], eps);  // x = norm(x + res), res = x + res
-  } else {
+  } else if (input_norm) {
     res = x;
     x = x.clone();
     rms_norm_(x, c10::nullopt, norms[0], eps);
+  } else {
+    res = x;  // read by the q/k/v projection before the post-attention norm adds into it
   }
   at::Tensor qkv = apply_linear(x, linears[0], qkv_n, qkv_bias);
   rotary_(qkv.narrow(1, 0, q_size + kv_size), positions, cos, sin, num_heads + num_kv_heads, head_dim);
