@@ -2,7 +2,8 @@
 off, in the same run (one `kvserve bench throughput --ablate speculative` per cell, greedy).
 
     PYTHONPATH=. python benchmarks/spec_policy.py [--proposers ngram eagle eagle-tree draft] [--batch-sizes 1 8 64] \\
-        [--workloads chat random] [--repeat 1] [--waves 1] [--output-len MIN MAX] [--json FILE]
+        [--workloads chat random] [--repeat 1] [--waves 1] [--output-len MIN MAX] [--head DIR] \\
+        [--draft-vocab-size N] [--draft-quantization int8] [--json FILE]
 
 Workloads: `chat` (natural questions, nothing to copy; kvserve.benchmarks.datasets) and `random` (random-token
 prompts). Batch b runs max(b, 3) requests with at most b at a time (max-num-seqs b). Proposers: n-gram (K = 4), the
@@ -37,8 +38,16 @@ OUTPUT_LEN = {1: (96, 96), 8: (64, 96), 64: (48, 64)}
 
 
 def cell_args(
-    proposer: str, workload: str, batch: int, repeat: int, out: str, waves: int, output_len: list[int] | None
+    proposer: str,
+    workload: str,
+    batch: int,
+    repeat: int,
+    out: str,
+    waves: int,
+    output_len: list[int] | None,
+    eagle: dict | None = None,
 ) -> argparse.Namespace:
+    """`eagle`: keys added to the EAGLE proposers' configs (--head, --draft-vocab-size, --draft-quantization)."""
     parser = argparse.ArgumentParser()
     throughput.add_parser(parser.add_subparsers())
     lo, hi = output_len or OUTPUT_LEN.get(batch, (64, 96))
@@ -63,7 +72,7 @@ def cell_args(
         "--repeat",
         str(repeat),
         "--speculative-config",
-        json.dumps(PROPOSERS[proposer]),
+        json.dumps({**PROPOSERS[proposer], **(eagle or {})} if proposer.startswith("eagle") else PROPOSERS[proposer]),
         "--json",
         out,
     ]
@@ -79,14 +88,22 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write every cell's results here")
     ap.add_argument("--waves", type=int, default=1, help="requests per cell: max(batch, 3) times this")
     ap.add_argument("--output-len", type=int, nargs=2, default=None, help="output length range (default by batch)")
+    ap.add_argument("--head", default=None, help="the EAGLE head's folder (default: the embedded model's)")
+    ap.add_argument("--draft-vocab-size", type=int, default=0, help="the EAGLE head's draft vocabulary (0: full)")
+    ap.add_argument("--draft-quantization", default=None, help="the EAGLE head's weights: int8")
     ns = ap.parse_args()
+    eagle: dict = {"model": ns.head} if ns.head else {}
+    eagle.update({"draft_vocab_size": ns.draft_vocab_size} if ns.draft_vocab_size else {})
+    eagle.update({"quantization": ns.draft_quantization} if ns.draft_quantization else {})
     rows, cells = [], []
     for proposer in ns.proposers:
         for workload in ns.workloads:
             for batch in ns.batch_sizes:
                 with tempfile.TemporaryDirectory() as tmp:
                     out = os.path.join(tmp, "cell.json")
-                    throughput.main(cell_args(proposer, workload, batch, ns.repeat, out, ns.waves, ns.output_len))
+                    throughput.main(
+                        cell_args(proposer, workload, batch, ns.repeat, out, ns.waves, ns.output_len, eagle)
+                    )
                     with open(out) as f:
                         result = json.load(f)
                 on, off = result["results"][0], result["results"][1]
