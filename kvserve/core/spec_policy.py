@@ -165,7 +165,8 @@ class SpecDecodePolicy:
         # cost (with a new shape's warm-up, which the medians leave out): observe_step swaps the estimate charged
         # here for them. Each probe is charged its estimate as it is granted, so that many requests due at once
         # (a batch that arrived together) are probed a few per step, not all in one burst.
-        self._only_probes = not any(limits)
+        regular = any(limits)
+        self._only_probes = False
         self._charged = 0.0
         if due:
             due.sort(key=lambda i: states[i].next_probe_step)
@@ -176,6 +177,11 @@ class SpecDecodePolicy:
                 states[i].limit, states[i].probing = 1, True
                 states[i].next_probe_step = step_id + states[i].probe_interval
                 limits[i] = 1
+                # NOTE: only a step that runs probes and nothing else swaps its estimate for the measured seconds;
+                # a step with no drafts at all still measures the sleeping proposer's bookkeeping (~0.3 ms for
+                # EAGLE), which is no probe's cost: charged to the credit every step, it kept the credit negative
+                # and a model proposer never probed, never measured, never turned on.
+                self._only_probes = not regular
                 if cost is None:
                     break  # nothing measured yet: one probe per step until something is
                 self._probe_credit -= cost

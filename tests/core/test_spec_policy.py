@@ -152,6 +152,21 @@ def test_probes_alone_are_charged_their_measured_seconds():
     assert policy.grant([bad], [True], 1000) == [0]  # 100 steps of 17 ms earned 17 ms of the 200
 
 
+def test_a_sleeping_proposers_bookkeeping_is_not_charged_to_the_probes():
+    """Steps that grant no drafts at all still measure a model proposer's pass (it records the positions it
+    skips, ~0.3 ms for EAGLE): that is no probe's cost, so the credit keeps growing and the next due probe runs."""
+    policy = _measured_policy(SpeculativeConfig("eagle", K), 17.0, 0.01, 1.0)
+    bad = policy.new_state(0)
+    for _ in range(5):
+        policy.observe_verification(bad, 1, 0)
+    bad.next_probe_step = 300
+    for step in range(300):  # not due yet: nothing granted, 300 x 0.3 ms = 90 ms of bookkeeping
+        assert policy.grant([bad], [True], step) == [0]
+        policy.observe_step(1, True, 17 * MS, 0.3 * MS, 0, 0.0, 0)
+    assert policy._probe_credit > 0
+    assert policy.grant([bad], [True], 300) == [1]
+
+
 def test_a_tree_is_credited_with_its_depth_only():
     """A tree of 8 nodes and depth 2: its k nodes cost k drafts, but only its first two levels can be accepted,
     so the policy never pays for nodes past what two levels gain, and a whole accepted path counts no miss."""
