@@ -11,15 +11,16 @@ propose and verify, from three measured things (core/spec_cost.py):
 * the target's step cost against its query tokens, from decode-only steps.
 
 Each step the running requests are taken in order of first-position acceptance, best first; each gets the k
-that maximises its expected tokens per second (`best_num_drafts`), with its verification charged at the step's
-size so far (f(T + k) - f(T), T = decodes + drafts already given). k = 0 leaves the request out of the
-proposer altogether (a model proposer catches up on its KV when the request is given drafts again: see
-spec_decode/model_proposer.py), so a proposer that does not pay costs (almost) nothing.
+that maximises its expected tokens per second (`best_num_drafts`; a tree all its nodes or none), with its
+verification charged at the step's size so far (f(T + k) - f(T), T = decodes + drafts already given). k = 0
+leaves the request out of the proposer altogether (a model proposer catches up on its KV when the request is
+given drafts again: see spec_decode/model_proposer.py), so a proposer that does not pay costs (almost) nothing.
 
-Exploration: a request at k = 0 is probed with one draft once its probe interval has passed (8 steps, doubling
-after each failed probe up to 256, back to 8 after an accepted one), so that one whose text becomes predictable
-is tried again. Probes are paid from a credit that grows by `PROBE_BUDGET` of every step's measured time and
-that each probe spends its estimated cost from, so exploration costs at most about that share of throughput.
+Exploration: a request at k = 0 is probed with one draft (a whole tree with trees) once its probe interval has
+passed (8 steps, doubling after each failed probe up to 256, back to 8 after an accepted one), so that one whose
+text becomes predictable is tried again. Probes are paid from a credit that grows by `PROBE_BUDGET` of every
+step's measured time and that each probe spends its estimated cost from, so exploration costs at most about that
+share of throughput.
 
 The limit the scheduler sends with step N (`SchedulerOutput.spec_draft_limits`) is what the proposer drafts
 after N, and what step N + 1 verifies at most: the decision is made once, with the acceptance known when N is
@@ -31,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.config import SpeculativeConfig
-from kvserve.core.spec_cost import ProposerCostModel, StepCostModel, best_num_drafts
+from kvserve.core.spec_cost import ProposerCostModel, StepCostModel, best_num_drafts, expected_tokens
 
 # Speculate only where expected tokens per second beat a plain step's by this factor (noise in the costs).
 MARGIN = 0.05
@@ -122,9 +123,13 @@ class SpecDecodePolicy:
         self.config = config
         self.k = config.num_speculative_tokens
         # Drafts that can be accepted in one step: K for a chain, tree_depth for a tree of K nodes (its accepted
-        # path is one root-to-leaf walk). A tree's k nodes are costed as k drafts (verified and drafted tokens) and
-        # credited with the acceptance of its first min(k, depth) levels.
+        # path is one root-to-leaf walk). A tree is all K nodes or none: it is grown with the same expansions
+        # whatever its node budget (then pruned), so a smaller one saves only verification rows, and its measured
+        # costs and acceptance are those of whole trees. Its K nodes are costed as K drafts (verified and drafted
+        # tokens) and credited with the acceptance of its `depth` levels; its probes are whole trees too.
+        self.tree = config.tree
         self.depth = config.tree_depth if config.tree_depth is not None else self.k
+        self.probe_size = self.k if self.tree else 1
         self.step_cost = StepCostModel()
         self.proposer_cost = ProposerCostModel()
         self.engine_acceptance = Acceptance(self.k, _ENGINE_WEIGHT)
@@ -174,9 +179,9 @@ class SpecDecodePolicy:
             for i in due:
                 if self._probe_credit < 0:
                     break
-                states[i].limit, states[i].probing = 1, True
+                states[i].limit, states[i].probing = self.probe_size, True
                 states[i].next_probe_step = step_id + states[i].probe_interval
-                limits[i] = 1
+                limits[i] = self.probe_size
                 # NOTE: only a step that runs probes and nothing else swaps its estimate for the measured seconds;
                 # a step with no drafts at all still measures the sleeping proposer's bookkeeping (~0.3 ms for
                 # EAGLE), which is no probe's cost: charged to the credit every step, it kept the credit negative
@@ -227,7 +232,11 @@ class SpecDecodePolicy:
                     assert more is not None
                     extra.append(max(0.0, more - base) + proposer[j])
                 extra_at = num_tokens
-            n = best_num_drafts(acc, share, extra, MARGIN)
+            if self.tree:
+                rate = expected_tokens(acc, self.depth) / (share + max(extra[-1], 0.0))
+                n = self.k if rate > (1.0 + MARGIN) / share else 0
+            else:
+                n = best_num_drafts(acc, share, extra, MARGIN)
             if n:
                 out[i] = n
                 num_tokens += n
@@ -238,9 +247,10 @@ class SpecDecodePolicy:
 
     def _probe_cost(self, num_decodes: int) -> float | None:
         """The estimated cost of one probe: the proposer's pass (twice: it also catches up on the positions
-        skipped while the request was left out), one draft, one more token to verify; None before measured."""
-        verify = self.step_cost.extra_seconds(num_decodes, 1)
-        propose = self.proposer_cost.seconds(1)
+        skipped while the request was left out), one draft (a whole tree), as many more tokens to verify; None
+        before measured."""
+        verify = self.step_cost.extra_seconds(num_decodes, self.probe_size)
+        propose = self.proposer_cost.seconds(self.probe_size)
         if verify is None or propose is None:
             return None
         return verify + propose + (self.proposer_cost.per_request.value or 0.0)
@@ -255,7 +265,8 @@ class SpecDecodePolicy:
         self.engine_acceptance.observe(num_drafts, num_accepted)
         if state.verifying_probe:
             state.verifying_probe = False
-            accepted = num_accepted == num_drafts
+            # A chain's one-draft probe succeeds when its draft is accepted, a tree's when its path is one deep.
+            accepted = num_accepted > 0 if self.tree else num_accepted == num_drafts
             state.probe_interval = MIN_PROBE_INTERVAL if accepted else min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
 
     def observe_step(

@@ -167,19 +167,30 @@ def test_a_sleeping_proposers_bookkeeping_is_not_charged_to_the_probes():
     assert policy.grant([bad], [True], 300) == [1]
 
 
-def test_a_tree_is_credited_with_its_depth_only():
-    """A tree of 8 nodes and depth 2: its k nodes cost k drafts, but only its first two levels can be accepted,
-    so the policy never pays for nodes past what two levels gain, and a whole accepted path counts no miss."""
+def test_a_tree_is_all_its_nodes_or_none_credited_with_its_depth_only():
+    """A tree of 8 nodes and depth 2: grown with the same expansions whatever its budget, so the policy gives all 8
+    nodes or none; its nodes cost 8 drafts, but only its first two levels can be accepted. Its probes are whole
+    trees, and one accepted level makes a probe a success."""
     tree = SpeculativeConfig("eagle", 8, tree_depth=2, tree_topk=4, tree_num_nodes=8)
     chain = SpeculativeConfig("eagle", 8)
     # Compute-bound enough (0.3 ms a token on a 17 ms step) that each node has to earn its place.
     tree_policy = _measured_policy(tree, 17.0, 0.3, 0.0)
     chain_policy = _measured_policy(chain, 17.0, 0.3, 0.0)
     assert chain_policy.decide([[0.9] * 8], 1) == [8]
-    assert tree_policy.decide([[0.9] * 8], 1) == [2]
+    assert tree_policy.decide([[0.9] * 8], 1) == [8]  # 1 + 0.9 + 0.81 tokens for 2.4 ms more: pays
+    # Levels past the depth earn nothing: 1.1 tokens for 2.4 ms more does not pay (one chain draft, 0.3 ms, does).
+    assert tree_policy.decide([[0.1, 0.0] + [0.99] * 6], 1) == [0]
+    assert chain_policy.decide([[0.1, 0.0] + [0.99] * 6], 1) == [1]
     state = tree_policy.new_state(0)
     tree_policy.observe_verification(state, 8, 2)
     assert state.acceptance.num_observed == 2 and state.acceptance.values[1] > PRIOR_ACCEPTANCE
+    bad = tree_policy.new_state(0)
+    for _ in range(5):
+        tree_policy.observe_verification(bad, 8, 0)
+    assert tree_policy.grant([bad], [True], MIN_PROBE_INTERVAL) == [8]  # a whole tree
+    assert tree_policy.num_to_verify(bad, 8) == 8 and bad.verifying_probe
+    tree_policy.observe_verification(bad, 8, 1)
+    assert bad.probe_interval == MIN_PROBE_INTERVAL
 
 
 def test_requests_due_together_are_probed_a_few_at_a_time():
