@@ -53,7 +53,7 @@ class DraftTree:
 
 # The draft's log-probs of a node's next token: over the whole vocabulary ([V], or [F, V] for F nodes), or their
 # top-k already taken, (log-probs, token ids) each [k] (or [F, k]), best first, which a caller holding the logits
-# on a device computes there (torch.topk) instead of copying whole rows out.
+# on a device computes there (sample/sampler.py's TopLogProbs) instead of copying whole rows out.
 LogProbs = np.ndarray | tuple[np.ndarray, np.ndarray]
 
 
