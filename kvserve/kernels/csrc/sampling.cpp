@@ -165,15 +165,23 @@ void top_of_row(const float* x, int64_t n, int64_t k, Entry* top) {
   }
 }
 
-}  // namespace
+// The log-sum-exp of x[0..n): its largest value plus the log of the sum of exp(x - that value).
+float log_sum_exp(const float* x, int64_t n) {
+  const float m = max_of(x, n);
+  const vf vmax_ = vset(m);
+  vf vs = vzero();
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) vs = vadd(vs, vexp(vsub(vload(x + i), vmax_)));
+  float sum = vsum(vs);
+  for (; i < n; ++i) sum += std::exp(x[i] - m);
+  return m + std::log(sum);
+}
 
-// x [B, V] fp32, 1 <= k <= V. Returns (values [B, k] fp32, indices [B, k] int64): each row's k largest entries,
-// largest first, ties going to the lower index. A function of the row alone: torch.topk leaves the order of equal
-// values (frequent among bf16 logits) to the algorithm it picks for k, and a batch's k is its largest `logprobs`.
-std::tuple<at::Tensor, at::Tensor> topk_rows(at::Tensor x, int64_t k) {
+// topk_rows, with each row's log-sum-exp taken off its values where `log_probs`.
+std::tuple<at::Tensor, at::Tensor> top_of_rows(const at::Tensor& x, int64_t k, bool log_probs, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [B, V] float32");
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(k >= 1 && k <= n, "topk_rows: need 1 <= k <= V");
+  TORCH_CHECK(k >= 1 && k <= n, name, ": need 1 <= k <= V");
   auto values = at::empty({rows, k}, x.options());
   auto indices = at::empty({rows, k}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
@@ -183,8 +191,9 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(at::Tensor x, int64_t k) {
     std::vector<Entry> top(k);
     for (int64_t r = begin; r < end; ++r) {
       top_of_row(xp + r * n, n, k, top.data());
+      const float shift = log_probs ? log_sum_exp(xp + r * n, n) : 0.0f;
       for (int64_t j = 0; j < k; ++j) {
-        vp[r * k + j] = top[j].value;
+        vp[r * k + j] = top[j].value - shift;
         ip[r * k + j] = top[j].index;
       }
     }
@@ -192,38 +201,17 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(at::Tensor x, int64_t k) {
   return {values, indices};
 }
 
-// x [B, V] fp32, 1 <= k <= V. Returns (log-probs [B, k] fp32, indices [B, k] int64): topk_rows' entries of each
-// row minus the row's log-sum-exp, i.e. the top of log_softmax(x) without writing the row out (a draft tree's
-// expansion wants 4 of 8-16k per node). Each row should hold a finite value.
+}  // namespace
+
+// x [B, V] fp32, 1 <= k <= V. Returns (values [B, k] fp32, indices [B, k] int64): each row's k largest entries,
+// largest first, ties going to the lower index. A function of the row alone: torch.topk leaves the order of equal
+// values (frequent among bf16 logits) to the algorithm it picks for k, and a batch's k is its largest `logprobs`.
+std::tuple<at::Tensor, at::Tensor> topk_rows(at::Tensor x, int64_t k) { return top_of_rows(x, k, false, "topk_rows"); }
+
+// The same entries as log-probs: each minus its row's log-sum-exp, i.e. the top of log_softmax(x) without writing
+// the row out (a draft tree's expansion wants 4 of 8-16k per node). Each row should hold a finite value.
 std::tuple<at::Tensor, at::Tensor> topk_log_softmax_rows(at::Tensor x, int64_t k) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [B, V] float32");
-  const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(k >= 1 && k <= n, "topk_log_softmax_rows: need 1 <= k <= V");
-  auto values = at::empty({rows, k}, x.options());
-  auto indices = at::empty({rows, k}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
-  float* vp = values.data_ptr<float>();
-  int64_t* ip = indices.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Entry> top(k);
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * n;
-      top_of_row(row, n, k, top.data());
-      const float m = max_of(row, n);
-      const vf vm_ = vset(m);
-      vf vs = vzero();
-      int64_t i = 0;
-      for (; i + kW <= n; i += kW) vs = vadd(vs, vexp(vsub(vload(row + i), vm_)));
-      float sum = vsum(vs);
-      for (; i < n; ++i) sum += std::exp(row[i] - m);
-      const float lse = m + std::log(sum);
-      for (int64_t j = 0; j < k; ++j) {
-        vp[r * k + j] = top[j].value - lse;
-        ip[r * k + j] = top[j].index;
-      }
-    }
-  });
-  return {values, indices};
+  return top_of_rows(x, k, true, "topk_log_softmax_rows");
 }
 
 // logits [B, V] fp32 (masked entries -inf), keys [B] int64. Returns [B] int64 token ids.
