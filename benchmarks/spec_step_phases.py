@@ -5,12 +5,12 @@ propose, sample, update).
 
     PYTHONPATH=. python benchmarks/spec_step_phases.py --head DIR [--dtype bfloat16] [--quantization int8] \\
         [--repeat 6] [--num-requests 4] [--output-len 128] \\
-        tree=depth,topk,nodes[,draft_vocab_size[,int8]] chain=0,0,K[,draft_vocab_size[,int8]] ...
+        tree=depth,topk,nodes[,draft_vocab_size[,int8][,policy]] chain=0,0,K[,draft_vocab_size[,int8][,policy]] ...
 
 A variant is name=depth,topk,nodes with depth 0 for a chain of `nodes` drafts; the optional fourth field is the draft
-vocabulary (0: full), a fifth `int8` quantizes the head. Fixed sizes (`adaptive: false`). Prints each engine's
-median output tok/s, the median of its per-repetition ratios to speculation off (with their range), the mean
-acceptance length, and ms per step by phase.
+vocabulary (0: full); then `int8` quantizes the head, `policy` turns the cost-aware policy on (else fixed sizes,
+`adaptive: false`). Prints each engine's median output tok/s, the median of its per-repetition ratios to
+speculation off (with their range), the mean acceptance length, and ms per step by phase.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from kvserve.engine.llm import LLM
 def variant_config(spec: str, head: str) -> dict:
     fields = spec.split(",")
     depth, topk, nodes = map(int, fields[:3])
-    config = {"method": "eagle", "model": head, "adaptive": False}
+    # Fixed sizes unless the variant names `policy` (the cost-aware policy, the default outside benchmarks).
+    config = {"method": "eagle", "model": head, "adaptive": "policy" in fields[4:]}
     config["draft_vocab_size"] = int(fields[3]) if len(fields) > 3 else 0
-    if len(fields) > 4 and fields[4] == "int8":
+    if "int8" in fields[4:]:
         config["quantization"] = "int8"
     if depth:
         config.update(tree_depth=depth, tree_topk=topk, tree_num_nodes=nodes)
@@ -46,7 +47,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=6)
     ap.add_argument("--num-requests", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("variants", nargs="+", help="name=depth,topk,nodes[,draft_vocab_size[,int8]]")
+    ap.add_argument("variants", nargs="+", help="name=depth,topk,nodes[,draft_vocab_size[,int8][,policy]]")
     ns = ap.parse_args()
     common = {"dtype": ns.dtype, "max_num_seqs": 1, "quantization": ns.quantization}
     engines = {"off": LLM(**common)}
