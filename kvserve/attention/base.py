@@ -18,6 +18,26 @@ import torch
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def blocks_view(kv_caches: list[KVCache]) -> torch.Tensor:
+    """The pool as one `[num_blocks, 2 * num_layers, *block_shape]` view (K then V of each layer, in layer order):
+    a whole block, every layer, is then one strided copy rather than one per layer, which is what moving blocks
+    in and out of the pool (swap, KV offload) and a draft tree's K/V moves cost per step. Requires the layout
+    worker/kv_cache.py's allocate_kv_cache makes: every K and V tensor back to back in one buffer, in that order."""
+    tensors = [t for kv in kv_caches for t in kv]
+    first = tensors[0]
+    numel = first.numel()
+    for i, t in enumerate(tensors):
+        if not (
+            t.is_contiguous()
+            and t.shape == first.shape
+            and t.dtype == first.dtype
+            and t.data_ptr() == first.data_ptr() + i * numel * first.element_size()
+        ):
+            raise ValueError("the KV pool's K and V tensors must lie back to back in one buffer (allocate_kv_cache)")
+    stacked = torch.as_strided(first, (len(tensors), *first.shape), (numel, *first.stride()), first.storage_offset())
+    return stacked.transpose(0, 1)
+
+
 @dataclass
 class AttentionInputs:
     """A step's batch as the runner lays it out. Requests with a single query token ("decodes") come first.

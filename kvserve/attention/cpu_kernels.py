@@ -31,12 +31,11 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache
+from kvserve.attention.base import AttentionBackend, AttentionInputs, KVCache, blocks_view
 from kvserve.attention.common import PrefillSpan, prefill_span, sdpa_prefill_spans, tree_hidden_keys
 from kvserve.attention.kv_dtype import is_fp8, quantize_kv
 from kvserve.kernels.cpu import kernel_isa, load_cpu_kernels
 from kvserve.utils import cdiv
-from kvserve.worker.kv_cache import blocks_view
 
 
 def _fp8_tile_offsets(block_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

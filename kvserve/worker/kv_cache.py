@@ -118,26 +118,6 @@ def allocate_kv_cache(
     return [(tensors[2 * i], tensors[2 * i + 1]) for i in range(num_layers)]
 
 
-def blocks_view(kv_caches: list[KVCache]) -> torch.Tensor:
-    """The pool as one `[num_blocks, 2 * num_layers, *block_shape]` view (K then V of each layer, in layer order):
-    a whole block, every layer, is then one strided copy rather than one per layer, which is what moving blocks
-    in and out of the pool (swap, KV offload) costs per step. Requires the layout allocate_kv_cache makes: every K
-    and V tensor back to back in one buffer, in that order."""
-    tensors = [t for kv in kv_caches for t in kv]
-    first = tensors[0]
-    numel = first.numel()
-    for i, t in enumerate(tensors):
-        if not (
-            t.is_contiguous()
-            and t.shape == first.shape
-            and t.dtype == first.dtype
-            and t.data_ptr() == first.data_ptr() + i * numel * first.element_size()
-        ):
-            raise ValueError("the KV pool's K and V tensors must lie back to back in one buffer (allocate_kv_cache)")
-    stacked = torch.as_strided(first, (len(tensors), *first.shape), (numel, *first.stride()), first.storage_offset())
-    return stacked.transpose(0, 1)
-
-
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention.base import KVCache
-from kvserve.worker.kv_cache import blocks_view
+from kvserve.attention.base import KVCache, blocks_view
 
 
 class SwapSpace:

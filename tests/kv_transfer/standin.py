@@ -121,7 +121,7 @@ class StandinWorker(KVConnectorWorker):
         return {"rank": self.rank, "pid": os.getpid()}
 
     def _pools(self) -> list[torch.Tensor]:
-        from kvserve.worker.kv_cache import blocks_view
+        from kvserve.attention.base import blocks_view
 
         return [blocks_view(p) for p in [self.kv_caches, *self.mirror_pools]]
 

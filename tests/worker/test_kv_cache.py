@@ -4,12 +4,12 @@ import threading
 import pytest
 import torch
 
+from kvserve.attention.base import blocks_view
 from kvserve.attention.torch_ref import TorchRefAttentionBackend
 from kvserve.config import CacheConfig
 from kvserve.worker.kv_cache import (
     KVCACHE_SPACE_ENV,
     allocate_kv_cache,
-    blocks_view,
     bytes_per_block,
     default_kv_budget,
     num_blocks_for,

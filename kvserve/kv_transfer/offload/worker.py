@@ -19,13 +19,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from kvserve.attention.base import blocks_view
 from kvserve.config import KVTransferConfig
 from kvserve.kv_cache_spec import KVCacheSpec
 from kvserve.kv_transfer.base import KVConnectorOutput, KVConnectorWorker
 from kvserve.kv_transfer.offload import disk_format
 from kvserve.kv_transfer.offload.options import OffloadOptions, rank_dir
 from kvserve.kv_transfer.offload.scheduler import DISK, OffloadMetadata, OffloadReport
-from kvserve.worker.kv_cache import blocks_view
 
 logger = logging.getLogger(__name__)
 

@@ -19,13 +19,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from kvserve.attention.base import blocks_view
 from kvserve.config import KVTransferConfig
 from kvserve.kv_cache_spec import KVCacheSpec
 from kvserve.kv_transfer.base import KVConnectorOutput, KVConnectorWorker
 from kvserve.kv_transfer.common import block_format
 from kvserve.kv_transfer.pool.options import KeyScheme, PoolOptions, open_store
 from kvserve.kv_transfer.pool.scheduler import PoolMetadata, PoolReport
-from kvserve.worker.kv_cache import blocks_view
 
 logger = logging.getLogger(__name__)
 
