@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,17 @@ def prefill_span(inputs: AttentionInputs, i: int) -> PrefillSpan:
 MAX_TREE_QUERY_TOKENS = 64
 
 
+@functools.cache
+def _hidden_bit_weights(q_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """For a tree of q_len query tokens: [q, q] uint64 with 2^(r - c) at row r, column c <= r (0 above the
+    diagonal), so a row's hidden word is the sum (= the OR: distinct powers) of the weights where its mask is False;
+    and the [q, q] bool strictly upper triangle (a token seeing a later one)."""
+    r, c = np.indices((q_len, q_len))
+    shifts = np.where(c <= r, r - c, 0).astype(np.uint64)
+    weights = np.where(c <= r, np.left_shift(np.uint64(1), shifts), np.uint64(0))
+    return weights, c > r
+
+
 def tree_hidden_keys(inputs: AttentionInputs) -> np.ndarray | None:
     """The kernels' form of `inputs.query_masks`: [T] int64, one word per query token of the step, whose bit b hides
     the key at position (the token's own position - b) from it; 0 for every token of a request without a mask.
@@ -64,10 +76,11 @@ def tree_hidden_keys(inputs: AttentionInputs) -> np.ndarray | None:
                 f"query_masks[{i}]: a tree of {q_len} query tokens; the attention kernels take at most "
                 f"{MAX_TREE_QUERY_TOKENS}"
             )
-        if np.triu(mask, 1).any():
+        weights, upper = _hidden_bit_weights(q_len)
+        if (mask & upper).any():
             raise ValueError(f"query_masks[{i}]: a query token may only see earlier ones (topological order)")
-        rows, cols = np.nonzero(np.tril(~mask))
-        np.bitwise_or.at(hidden, int(qsl[i]) + rows, np.left_shift(np.uint64(1), (rows - cols).astype(np.uint64)))
+        start = int(qsl[i])
+        hidden[start : start + q_len] = np.where(mask, np.uint64(0), weights).sum(axis=1, dtype=np.uint64)
     return hidden.view(np.int64)
 
 

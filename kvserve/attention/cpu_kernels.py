@@ -149,6 +149,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
             raise RuntimeError("the C++ CPU kernels are not available: use TorchRefAttentionBackend")
         self.kernels = kernels
         self.deterministic = deterministic
+        self._packed_layout: dict[int, bool] = {}  # block size -> uses_packed_layout
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         # NOTE: the pair-packed layout keeps this shape and each token's block; only the order inside a block differs.
@@ -157,10 +158,15 @@ class CpuKernelAttentionBackend(AttentionBackend):
     def uses_packed_layout(self, block_size: int) -> bool:
         """Whether caches of this block size hold the pair-packed layout (fixed for a cache's whole life): a bf16
         model with a bf16 cache, or with an fp8 cache where the CPU has AVX512-VBMI too."""
-        fp8 = is_fp8(self.kv_cache_dtype)
-        if self.dtype != torch.bfloat16 or not (fp8 or self.kv_cache_dtype == self.dtype):
-            return False
-        return self.kernels.packed_kv_supported(self.head_dim, self.group, block_size, fp8)
+        # Asked on every step's metadata: the answer is fixed per block size, so it is kept.
+        known = self._packed_layout.get(block_size)
+        if known is None:
+            fp8 = is_fp8(self.kv_cache_dtype)
+            known = (self.dtype == torch.bfloat16 and (fp8 or self.kv_cache_dtype == self.dtype)) and bool(
+                self.kernels.packed_kv_supported(self.head_dim, self.group, block_size, fp8)
+            )
+            self._packed_layout[block_size] = known
+        return known
 
     def kv_layout(self, block_size: int) -> str:
         if not self.uses_packed_layout(block_size):
