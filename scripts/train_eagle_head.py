@@ -281,6 +281,12 @@ def main() -> None:
         "--unroll", type=int, nargs="?", const=1, default=0, help="train drafts 2..N+1 on the head's own features"
     )
     ap.add_argument("--bf16", action="store_true", help="train under bf16 autocast (CPUs with native bf16)")
+    ap.add_argument(
+        "--train-vocab",
+        type=int,
+        default=0,
+        help="train the head's loss over this many most frequent tokens only (a draft vocabulary size; 0: all)",
+    )
     ap.add_argument("--train-seconds", type=float, default=180.0)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=None, help=f"output folder (default: {default_head_dir(DEFAULT_MODEL)})")
@@ -348,6 +354,7 @@ def main() -> None:
         held_out_reply_starts=[len(p) for p in held_out_prompts] if held_out else None,
         unroll=ns.unroll,
         autocast_bf16=ns.bf16,
+        train_vocab=torch.from_numpy(draft_vocab_ids(counts, ns.train_vocab)) if ns.train_vocab else None,
     )
     save_head(head, config, out, result)
     summary = {

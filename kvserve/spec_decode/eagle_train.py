@@ -76,6 +76,7 @@ class TrainResult:
     # i + 2, so the reply of a prompt of length L is scored from position L - 1 on.
     reply_top1_accuracy: float | None = None
     num_held_out_reply_tokens: int = 0
+    reply_top1_by_draft_vocab: dict[int, float] = field(default_factory=dict)  # as top1_by_draft_vocab, replies only
 
 
 def hf_llama_config(arch):
@@ -153,6 +154,7 @@ def train_head(
     unroll: int = 0,
     train_steps: int | None = None,
     autocast_bf16: bool = False,
+    train_vocab: torch.Tensor | None = None,
 ) -> tuple[EagleReference, TrainResult]:
     """Fit a head for about `train_seconds` of wall time (or exactly `train_steps` sequence updates, where given:
     the same head on any machine and under any load, as tests need) on all the sequences, scored on `held_out`
@@ -162,12 +164,23 @@ def train_head(
     (`reply_top1_accuracy`).
     `unroll`: also train that many further draft steps, each fed the head's own predicted features (see `_loss`;
     True is 1). `autocast_bf16`: the head's and the loss's products in bf16 (autocast: several times faster where
-    the CPU has AMX or avx512_bf16; the loss's LM head is most of an update); the target distributions stay fp32."""
+    the CPU has AMX or avx512_bf16; the loss's LM head is most of an update); the target distributions stay fp32.
+    `train_vocab`: token ids [N] (a draft vocabulary, draft_vocab.py): the loss's distributions, the head's and the
+    target's, are over those tokens only, as the engine's drafts with `draft_vocab_size` N are (the target's
+    renormalised over them); the LM head's share of an update shrinks by vocab / N. Scores stay over the whole
+    vocabulary (and per `draft_vocabs`)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     embed = nn.Embedding.from_pretrained(embed_weight)
     lm_head = nn.Linear(embed_weight.shape[1], embed_weight.shape[0], bias=False)
     lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
+    # The loss's LM head: the draft vocabulary's rows only, where one is trained for (softmax over a subset of the
+    # logits is the whole softmax restricted to it and renormalised).
+    loss_head = lm_head
+    if train_vocab is not None:
+        # skip_init: no random initialisation, so the head's own initialisation (next) draws the same numbers.
+        loss_head = nn.utils.skip_init(nn.Linear, embed_weight.shape[1], len(train_vocab), bias=False)
+        loss_head.weight = nn.Parameter(lm_head_weight[train_vocab], requires_grad=False)
     head = EagleReference(hf_config)
     scale = torch.cat(features).std().item()
     with torch.no_grad():
@@ -191,10 +204,10 @@ def train_head(
     # The target's next-token distributions do not change while the head learns: computed once per sequence where
     # they fit in _P_TARGET_CACHE_BYTES (a few short sequences, as tests fit), else at every update. The same
     # call on the same rows, so the head fitted is the same either way.
-    vocab = lm_head.weight.shape[0]
+    vocab = loss_head.weight.shape[0]
     p_targets: dict[int, torch.Tensor] = {}
     if sum(len(sequences[i]) - 1 for i in train) * vocab * 4 <= _P_TARGET_CACHE_BYTES:
-        p_targets = {i: _target_probs(lm_head, features[i]) for i in train}
+        p_targets = {i: _target_probs(loss_head, features[i]) for i in train}
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     start = time.perf_counter()
     epochs = 0
@@ -218,7 +231,7 @@ def train_head(
             seq, feats = sequences[i], features[i]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
                 loss = _loss(
-                    head, embed, lm_head, seq, feats, noise * scale, scale, ce_weight, int(unroll), p_targets.get(i)
+                    head, embed, loss_head, seq, feats, noise * scale, scale, ce_weight, int(unroll), p_targets.get(i)
                 )
             opt.zero_grad()
             loss.backward()
@@ -238,8 +251,11 @@ def train_head(
         result.top1_by_draft_vocab[n], result.target_in_draft_vocab[n] = hit, inside
     result.num_held_out_tokens = sum(len(s) - 1 for s in val_sequences)
     if held_out_reply_starts is not None:
-        reply = top1_agreement(head, embed, lm_head, val_sequences, val_features, {}, held_out_reply_starts)
-        result.reply_top1_accuracy = reply["full"]
+        reply = top1_agreement(
+            head, embed, lm_head, val_sequences, val_features, draft_vocabs or {}, held_out_reply_starts
+        )
+        result.reply_top1_accuracy = reply.pop("full")
+        result.reply_top1_by_draft_vocab = {n: hit for n, (hit, _) in reply.items()}
         result.num_held_out_reply_tokens = sum(
             len(s) - r for s, r in zip(val_sequences, held_out_reply_starts, strict=True)
         )

@@ -103,3 +103,27 @@ def test_unrolled_passes_predict_the_features_further_ahead():
         autocast_bf16=True,
     )
     assert torch.isfinite(torch.tensor(result.final_loss))
+
+
+def test_a_draft_vocabulary_trains_on_its_tokens_distributions_only():
+    """`train_vocab`: the loss sees the head's and the target's distributions over those tokens only (the target's
+    renormalised over them, as a softmax over their logits is): the same head as training against an LM head that
+    has only those rows, and not the head the whole vocabulary trains."""
+    from kvserve.spec_decode import eagle_train
+
+    cfg = hf_config()
+    g = torch.Generator().manual_seed(3)
+    embed, lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g), torch.randn(cfg.vocab_size, 64)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 17, 9, 14, 11)]
+    feats = [torch.randn(len(s), cfg.hidden_size, generator=g) for s in seqs]
+    ids = torch.arange(0, cfg.vocab_size, 3)
+
+    def fit(lm, **kw):
+        head, _ = eagle_train.train_head(cfg, embed, lm, seqs, feats, 0.0, train_steps=6, unroll=1, **kw)
+        return head.state_dict()
+
+    sub = fit(lm_head, train_vocab=ids)
+    rows_only = fit(lm_head[ids])  # scores are then meaningless, the update is the same
+    full = fit(lm_head)
+    assert all(torch.equal(sub[k], rows_only[k]) for k in sub)
+    assert not all(torch.equal(sub[k], full[k]) for k in sub)
