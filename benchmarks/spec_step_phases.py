@@ -5,12 +5,13 @@ propose, sample, update).
 
     PYTHONPATH=. python benchmarks/spec_step_phases.py --head DIR [--dtype bfloat16] [--quantization int8] \\
         [--repeat 6] [--num-requests 4] [--output-len 128] \\
-        tree=depth,topk,nodes[,draft_vocab_size[,int8][,policy]] chain=0,0,K[,draft_vocab_size[,int8][,policy]] ...
+        tree=depth,topk,nodes[,draft_vocab_size[,int8][,policy]][@DIR] chain=0,0,K[,...] ...
 
 A variant is name=depth,topk,nodes with depth 0 for a chain of `nodes` drafts; the optional fourth field is the draft
 vocabulary (0: full); then `int8` quantizes the head, `policy` turns the cost-aware policy on (else fixed sizes,
-`adaptive: false`). Prints each engine's median output tok/s, the median of its per-repetition ratios to
-speculation off (with their range), the mean acceptance length, and ms per step by phase.
+`adaptive: false`); `@DIR` at the end gives the variant its own head (else --head's). Prints each engine's median
+output tok/s, the median of its per-repetition ratios to speculation off (with their range), the mean acceptance
+length, and ms per step by phase.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from kvserve.engine.llm import LLM
 
 
 def variant_config(spec: str, head: str) -> dict:
+    spec, _, own_head = spec.partition("@")  # a variant's own head folder, to set two heads side by side
+    head = own_head or head
     fields = spec.split(",")
     depth, topk, nodes = map(int, fields[:3])
     # Fixed sizes unless the variant names `policy` (the cost-aware policy, the default outside benchmarks).
@@ -47,7 +50,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=6)
     ap.add_argument("--num-requests", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("variants", nargs="+", help="name=depth,topk,nodes[,draft_vocab_size[,int8][,policy]]")
+    ap.add_argument("variants", nargs="+", help="name=depth,topk,nodes[,draft_vocab_size[,int8][,policy]][@DIR]")
     ns = ap.parse_args()
     common = {"dtype": ns.dtype, "max_num_seqs": 1, "quantization": ns.quantization}
     engines = {"off": LLM(**common)}
