@@ -20,6 +20,9 @@
    benchmark's own `chat` prompts (seed 0) and their replies, also scored on the reply's tokens alone
    (`reply_top1_accuracy`: what speculation drafts); else a tenth of the sequences.
    For each --draft-vocab-sizes N it is scored again with the head's argmax over the N most frequent tokens.
+   --train-vocab N trains the loss over the N most frequent tokens only (the draft vocabulary the engine then
+   drafts over: the head's config.json names it as `draft_vocab_size`); the LM head, most of an update's work,
+   shrinks by the vocabulary / N.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from dataclasses import dataclass, fields, replace
@@ -282,6 +283,8 @@ class EngineArgs:
         kv_transfer = _kv_transfer_config(self.kv_transfer_config)
         if speculative is not None and speculative.method != "ngram":
             speculative = replace(speculative, draft=draft_model_config(speculative, model))
+            if speculative.method == "eagle" and "draft_vocab_size" not in spec:
+                speculative = replace(speculative, draft_vocab_size=_head_draft_vocab_size(speculative.draft.path))
             _check_draft_vocab(speculative)
         self._check_device_options(model)
         config = EngineConfig(
@@ -363,6 +366,19 @@ def _kv_transfer_config(value: dict | str | None) -> KVTransferConfig | None:
     config = KVTransferConfig.from_dict(value)
     validate(config)
     return config
+
+
+def _head_draft_vocab_size(folder: str) -> int:
+    """The draft vocabulary an EAGLE head was trained for (`draft_vocab_size` in its config.json, as EAGLE-3's heads
+    write it; scripts/train_eagle_head.py --train-vocab), 0 if none: the head's logits outside it were never
+    trained, so it drafts over it unless the user says otherwise."""
+    from kvserve.spec_decode.draft_vocab import counts_path
+
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path) or not os.path.exists(counts_path(folder)):  # our vocabularies come from the counts
+        return 0
+    with open(path) as f:
+        return int(json.load(f).get("draft_vocab_size") or 0)
 
 
 def _check_draft_vocab(spec: SpeculativeConfig) -> None:

@@ -77,6 +77,7 @@ class TrainResult:
     reply_top1_accuracy: float | None = None
     num_held_out_reply_tokens: int = 0
     reply_top1_by_draft_vocab: dict[int, float] = field(default_factory=dict)  # as top1_by_draft_vocab, replies only
+    train_vocab_size: int = 0  # the draft vocabulary the loss was over (train_vocab), 0: the whole vocabulary
 
 
 def hf_llama_config(arch):
@@ -247,6 +248,7 @@ def train_head(
     scores = top1_agreement(head, embed, lm_head, val_sequences, val_features, draft_vocabs or {})
     num_tokens = sum(len(s) for s in sequences)
     result = TrainResult(len(sequences), num_tokens, epochs, seconds, loss_value, scores.pop("full"))
+    result.train_vocab_size = 0 if train_vocab is None else len(train_vocab)
     for n, (hit, inside) in scores.items():
         result.top1_by_draft_vocab[n], result.target_in_draft_vocab[n] = hit, inside
     result.num_held_out_tokens = sum(len(s) - 1 for s in val_sequences)
@@ -352,7 +354,10 @@ def save_head(head: EagleReference, hf_config, folder: str, result: TrainResult)
 
     os.makedirs(folder, exist_ok=True)
     save_file(head.checkpoint(), os.path.join(folder, "model.safetensors"))
+    config = hf_config.to_dict()
+    if result.train_vocab_size:  # the engine then drafts over that vocabulary unless told otherwise (EAGLE-3's key)
+        config["draft_vocab_size"] = result.train_vocab_size
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf_config.to_dict(), f, indent=1, default=str)
+        json.dump(config, f, indent=1, default=str)
     with open(os.path.join(folder, "train_result.json"), "w") as f:
         json.dump(result.__dict__, f, indent=1)

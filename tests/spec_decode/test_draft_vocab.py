@@ -165,3 +165,24 @@ def test_missing_counts_is_a_clear_error(target_path, eagle_head_path):
     config = {"method": "eagle", "model": eagle_head_path, "num_speculative_tokens": 2, "draft_vocab_size": 100}
     with pytest.raises(ValueError, match="token counts"):
         LLM(target_path, dtype="float32", max_model_len=64, speculative_config=config)
+
+
+def test_a_head_trained_for_a_draft_vocabulary_drafts_over_it_by_default(target_path, eagle_head_path, tmp_path):
+    """A head whose config.json names the draft vocabulary it was trained for (train_eagle_head.py --train-vocab;
+    EAGLE-3's key) drafts over it unless speculative_config sets draft_vocab_size, 0 included."""
+    import json
+
+    folder = with_counts(eagle_head_path, str(tmp_path / "head"), random_counts(4))
+    config_path = tmp_path / "head" / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config_path.write_text(json.dumps({**config, "draft_vocab_size": 4096}))
+
+    def draft_vocab(**extra):
+        config = {"method": "eagle", "model": folder, "num_speculative_tokens": 2, **extra}
+        llm = LLM(target_path, dtype="float32", max_model_len=64, speculative_config=config)
+        vocab = llm.engine.engine_core.executor.driver_runner.proposer.draft_vocab
+        return None if vocab is None else vocab.size
+
+    assert draft_vocab() == 4096
+    assert draft_vocab(draft_vocab_size=0) is None
+    assert draft_vocab(draft_vocab_size=8192) == 8192
