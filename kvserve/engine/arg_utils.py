@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from dataclasses import dataclass, fields, replace
@@ -374,11 +373,9 @@ def _head_draft_vocab_size(folder: str) -> int:
     trained, so it drafts over it unless the user says otherwise."""
     from kvserve.spec_decode.draft_vocab import counts_path
 
-    path = os.path.join(folder, "config.json")
-    if not os.path.exists(path) or not os.path.exists(counts_path(folder)):  # our vocabularies come from the counts
-        return 0
-    with open(path) as f:
-        return int(json.load(f).get("draft_vocab_size") or 0)
+    if not os.path.exists(os.path.join(folder, "config.json")) or not os.path.exists(counts_path(folder)):
+        return 0  # our vocabularies come from the counts
+    return int(read_hf_folder_config(folder)[0].get("draft_vocab_size") or 0)
 
 
 def _check_draft_vocab(spec: SpeculativeConfig) -> None:
