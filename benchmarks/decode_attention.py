@@ -24,6 +24,11 @@ S, H, HKV, D, B, L = 64, 9, 3, 64, 16, 30
 THIS = "this checkout"
 
 
+def draw_lens(rng: np.random.Generator) -> np.ndarray:
+    """The 64 context lengths: the first draw of the seeded generator, in the parent and in every child."""
+    return rng.integers(128, 193, S)
+
+
 def load(build: str):
     if build == THIS:
         return load_cpu_kernels()
@@ -38,7 +43,7 @@ def run_one(build: str, out_path: str) -> None:
     module = load(build)
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
-    lens = rng.integers(128, 193, S)
+    lens = draw_lens(rng)
     nb = (lens + B - 1) // B
     pool = int(nb.sum() * 1.3)
     caches = [(torch.randn(pool, B, HKV, D), torch.randn(pool, B, HKV, D)) for _ in range(L)]
@@ -63,8 +68,7 @@ def main() -> None:
         run_one(sys.argv[2], sys.argv[3])
         return
     builds = [THIS, *sys.argv[1:]]
-    rng = np.random.default_rng(0)
-    kv_bytes = L * int(rng.integers(128, 193, S).sum()) * HKV * D * 4 * 2
+    kv_bytes = L * int(draw_lens(np.random.default_rng(0)).sum()) * HKV * D * 4 * 2
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(5):
             for n, build in enumerate(builds):
