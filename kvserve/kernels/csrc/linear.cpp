@@ -134,18 +134,19 @@ inline void gemv_panels(const float* x, const T* panels, int64_t K, float* y, in
   std::copy(tmp, tmp + ncols, y);
 }
 
-// The last rows of a block (fewer than a full tile): the same tile with MR = rows; a lone tail fetches its share of
-// the next weights, all of it (f and, in a pair, g), kRowLines a k step.
-template <int MR, int NP, typename T>
+// The last rows of a block (fewer than a full tile): the same tile with MR = rows, fetching f (and, in a pair, g)
+// kRate lines a k step (-1: kRowLines, a lone tail's rate, which fetches all of the next weights).
+template <int MR, int NP, int kRate = -1, typename T>
 inline void tail_tile(int rows, const float* x, int64_t ldx, const T* panel, int64_t pstride, int64_t kc, float* y,
                       int64_t ldy, int ncols, bool accumulate, Fetch f, Fetch g = {}) {
   if constexpr (MR > 0) {
     if (rows == MR) {
       if (f.at != nullptr || g.at != nullptr)
-        return row_tile<MR, NP, kRowLines<T>>(x, ldx, panel, pstride, kc, y, ldy, ncols, accumulate, f, g);
+        return row_tile<MR, NP, kRate < 0 ? kRowLines<T> : kRate>(x, ldx, panel, pstride, kc, y, ldy, ncols,
+                                                                    accumulate, f, g);
       return row_tile<MR, NP>(x, ldx, panel, pstride, kc, y, ldy, ncols, accumulate);
     }
-    tail_tile<MR - 1, NP>(rows, x, ldx, panel, pstride, kc, y, ldy, ncols, accumulate, f, g);
+    tail_tile<MR - 1, NP, kRate>(rows, x, ldx, panel, pstride, kc, y, ldy, ncols, accumulate, f, g);
   }
 }
 
@@ -216,6 +217,7 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
       };
       const Fetch fa = next(0), fb = next(1);
       const int64_t tiles = mcur / kMR2;
+      const bool tail = mcur % kMR2 != 0;
       int64_t i = 0;
       if (tiles >= 4) {  // half the tiles fetch the first panel's share, half the second's: <= kcur lines a tile
         const int64_t ta = tiles / 2;
@@ -223,6 +225,17 @@ void gemm_panels(const float* x, const T* wp, float* y, int64_t M, int64_t N, in
           const Fetch mine = t < ta ? share_of(fa, t, ta) : share_of(fb, t - ta, tiles - ta);
           row_tile<kMR2, 2, 1>(xp + i * K, K, panel, pstride, kcur, yp + i * N, N, ncols, k0 > 0, mine);
         }
+      } else if (tiles > 0 && tiles + tail >= 2) {
+        // 2-3 tiles, the tail counted: each fetches its share of both panels (<= kcur lines each), so that the
+        // weight stream keeps going through every tile instead of only the first.
+        const int64_t n = tiles + tail;
+        for (int64_t t = 0; t < tiles; ++t, i += kMR2)
+          row_tile<kMR2, 2, 1>(xp + i * K, K, panel, pstride, kcur, yp + i * N, N, ncols, k0 > 0,
+                               share_of(fa, t, n), share_of(fb, t, n));
+        if (tail)
+          tail_tile<kMR2 - 1, 2, 1>(static_cast<int>(mcur - i), xp + i * K, K, panel, pstride, kcur, yp + i * N, N,
+                                    ncols, k0 > 0, share_of(fa, tiles, n), share_of(fb, tiles, n));
+        return;
       } else if (tiles > 0) {
         row_tile<kMR2, 2, kRowLines<T>>(xp, K, panel, pstride, kcur, yp, N, ncols, k0 > 0, fa, fb);
         i = kMR2;
