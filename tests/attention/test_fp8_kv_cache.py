@@ -43,6 +43,30 @@ def test_write_kv_stores_quantize_kv_exactly(cache_dtype, dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_write_kv_fp32_rounds_every_exponent_and_tie_as_torch(cache_dtype):
+    """The fp32 rows' vector conversion (simd.h, vfp8_codes) against torch on every sign, exponent and top 7
+    mantissa bits (the high 16 bits of the float), each with low bits 0 (exact ties among them), 1, 0x7FFF and 0xFFFF:
+    normals, subnormals, the boundary between them, saturation, -0, inf and NaN; rows of 200 values, so each row's
+    scalar tail (to_fp8) converts some as well."""
+    kernels = require_kernels()
+    high = torch.arange(1 << 16, dtype=torch.int64) << 16
+    low = torch.tensor([0, 1, 0x7FFF, 0xFFFF], dtype=torch.int64)
+    bits = (high[:, None] | low[None, :]).flatten()
+    x = (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)  # as signed 32-bit patterns
+    width = 200
+    rows = x.numel() // width
+    k = x[: rows * width].view(rows, width)
+    v = k.flip(0).contiguous()
+    kc = torch.zeros(rows, 1, 1, width, dtype=cache_dtype)
+    vc = torch.zeros_like(kc)
+    slots = torch.randperm(rows)
+    kernels.write_kv(k, v, kc, vc, slots, False)
+    for cache, src in ((kc, k), (vc, v)):
+        got = cache.view(rows, width)[slots].view(torch.uint8)
+        assert torch.equal(got, quantize_kv(src, cache_dtype).view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("head_dim", [64, 24])  # the fast path's vector loads, the generic path's row loads
 def test_kernel_reads_every_fp8_code_exactly(cache_dtype, head_dim):
     """Rows that see one key output that key's value row: every finite code (subnormals included) comes back as

@@ -88,9 +88,14 @@ void write_kv_rows_fp8(const T* k, const T* v, int64_t k_stride, int64_t v_strid
       F8* vd = v_cache + slots[row] * width;
       const T* ks = k + row * k_stride;
       const T* vs = v + row * v_stride;
-      for (int64_t i = 0; i < width; ++i) {
-        kd[i] = fp8_code<F8>(ks[i]);
-        vd[i] = fp8_code<F8>(vs[i]);
+      if constexpr (std::is_same_v<T, float>) {
+        store_fp8_row(ks, kd, width);
+        store_fp8_row(vs, vd, width);
+      } else {
+        for (int64_t i = 0; i < width; ++i) {
+          kd[i] = fp8_code<F8>(ks[i]);
+          vd[i] = fp8_code<F8>(vs[i]);
+        }
       }
     }
   });

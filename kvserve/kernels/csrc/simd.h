@@ -52,6 +52,44 @@ inline F8 to_fp8(float x) {
   return F8(std::min(std::max(x, -limit), limit));
 }
 
+// to_fp8 on kW lanes at once, byte for byte the same: each lane's code in its low byte. After to_fp8's NaN -> 0 and
+// saturation, the rounding is c10's, on the fp32 bits: a normal result drops 23 - M mantissa bits, rounding to
+// nearest even, and rebiases the exponent; below F8's smallest normal, the code is the integer nearest x over the
+// smallest subnormal, to which adding 2^23 rounds (the FPU's default mode is nearest even). fp32 K/V rows into an
+// fp8 cache, 2,048 rows of 192: 0.57 ms a call with the scalar conversion, 0.15 ms with this (kind A, 2 threads).
+template <typename F8>
+inline vi vfp8_codes(vf x) {
+  constexpr bool kE4M3 = std::is_same_v<F8, Fp8E4M3>;
+  constexpr int M = kE4M3 ? 3 : 2, B = kE4M3 ? 7 : 15, kShift = 23 - M;
+  const float limit = static_cast<float>(std::numeric_limits<F8>::max());
+  const float inf = std::numeric_limits<float>::infinity(), big = std::numeric_limits<float>::max();
+  const vf mag = vfrombits(viand(vbits(x), viset(0x7FFFFFFF)));
+  vf c = vselect(vlt(mag, vset(inf)), vzero(), x);  // NaN and +-inf: 0 for now
+  c = vselect(vgt(x, vset(big)), c, vset(limit));
+  c = vselect(vlt(x, vset(-big)), c, vset(-limit));
+  c = vmax(vmin(c, vset(limit)), vset(-limit));
+  const vi bits = vbits(c), abits = viand(bits, viset(0x7FFFFFFF));
+  const vi odd = viand(visrl<kShift>(abits), viset(1));
+  const vi normal = visub(visrl<kShift>(viadd(viadd(abits, viset((1 << (kShift - 1)) - 1)), odd)),
+                          viset((127 - B) << M));
+  const vf a = vfrombits(abits);
+  const vi sub = visub(vbits(vadd(vmul(a, vset(std::ldexp(1.f, B - 1 + M))), vset(8388608.f))), viset(0x4B000000));
+  const vi code = vselect(vlt(a, vset(std::ldexp(1.f, 1 - B))), normal, sub);
+  return vior(code, visrl<24>(viand(bits, viset(std::numeric_limits<int32_t>::min()))));
+}
+
+// n fp32 values as F8 codes (to_fp8's), kW at a time.
+template <typename F8>
+inline void store_fp8_row(const float* src, F8* dst, int64_t n) {
+  int64_t i = 0;
+  alignas(64) int32_t codes[kW];
+  for (; i + kW <= n; i += kW) {
+    vistore(codes, vfp8_codes<F8>(vload(src + i)));
+    for (int j = 0; j < kW; ++j) dst[i + j] = F8(static_cast<uint8_t>(codes[j]), F8::from_bits());
+  }
+  for (; i < n; ++i) dst[i] = to_fp8<F8>(src[i]);
+}
+
 inline void store_row(const float* src, float* dst, int n) { std::memcpy(dst, src, sizeof(float) * n); }
 
 inline void store_row(const float* src, at::BFloat16* dst, int n) {
