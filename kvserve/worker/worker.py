@@ -15,6 +15,7 @@ import os
 
 from kvserve.config import EngineConfig
 from kvserve.core.sched_output import SchedulerOutput
+from kvserve.host_memory import keep_freed_memory
 from kvserve.kv_cache_spec import KVCacheSpec
 from kvserve.outputs import ModelRunnerOutput
 from kvserve.threads import ThreadPlan, apply_thread_plan, set_compute_threads
@@ -32,6 +33,7 @@ class Worker:
 
     def init_device(self, distributed_init_method: str | None) -> None:
         """Threads first (the weights are packed on them), then join the TP group (blocks until all ranks do)."""
+        keep_freed_memory()
         if self.thread_plan is not None:
             apply_thread_plan(self.thread_plan)
         from kvserve.distributed.parallel_state import init_tensor_parallel
