@@ -109,7 +109,11 @@ class StepCostModel:
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0:
             return
-        tokens, secs = self._buckets.setdefault(bucket(num_tokens), ([0, 0], RecentMedian()))
+        key = bucket(num_tokens)
+        entry = self._buckets.get(key)
+        if entry is None:
+            entry = self._buckets[key] = ([0, 0], RecentMedian())
+        tokens, secs = entry
         tokens[0] += num_tokens
         tokens[1] += 1
         secs.add(seconds)

@@ -39,6 +39,12 @@ class SkippedPositions:
         rows = rows[rows < len(self._first)]
         return bool((self._first[rows] >= 0).any())
 
+    def all_recorded(self, rows: np.ndarray) -> bool:
+        """Every one of `rows` has a record already (then, without hidden rows to keep, a step changes none)."""
+        if not self._row_of or not len(rows) or int(rows.max()) >= len(self._first):
+            return False
+        return bool((self._first[rows] >= 0).all())
+
     def remember(
         self,
         req_id: Callable[[int], str],  # the request id of entry i (looked up only for requests falling asleep)
@@ -48,6 +54,8 @@ class SkippedPositions:
         end: np.ndarray,  # [A] its computed count after the step (positions past it are computed again later)
         hidden: torch.Tensor,  # [T, hidden] the target's hidden rows of the step's tokens
     ) -> None:
+        if not self.keep_hidden and self.all_recorded(rows):
+            return  # every one asleep since an earlier step: its first missing position is kept already
         kept = np.flatnonzero(end > start)  # entries that computed something this step
         rows, token_start, start, end = rows[kept], token_start[kept], start[kept], end[kept]
         if not len(rows):

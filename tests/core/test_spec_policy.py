@@ -11,6 +11,7 @@ from kvserve.core.spec_policy import (
     MIN_PROBE_INTERVAL,
     PRIOR_ACCEPTANCE,
     PROBE_BUDGET,
+    QUIET_REDECIDE_INTERVAL,
     Acceptance,
     SpecDecodePolicy,
 )
@@ -165,6 +166,37 @@ def test_a_sleeping_proposers_bookkeeping_is_not_charged_to_the_probes():
         policy.observe_step(1, True, 17 * MS, 0.3 * MS, 0, 0.0, 0)
     assert policy._probe_credit > 0
     assert policy.grant([bad], [True], 300) == [1]
+
+
+def test_a_quiet_decision_is_reused_until_something_it_depends_on_changes():
+    """While every request is left out, grant reuses that decision for QUIET_REDECIDE_INTERVAL steps (only the
+    costs can drift meanwhile); an observed verification or a new request makes it decide again at once."""
+    policy = _measured_policy(SpeculativeConfig("ngram", K), 17.0, 0.01, 20.0)  # a 20 ms proposer never pays
+    state = policy.new_state(0)
+    state.next_probe_step = 10_000  # no probes in this test
+    assert policy.grant([state], [True], 0) == [0]
+    cheap = _measured_policy(SpeculativeConfig("ngram", K), 17.0, 0.01, 0.01)
+    policy.proposer_cost = cheap.proposer_cost  # now drafts would pay: seen at the next decision only
+    for step in range(1, QUIET_REDECIDE_INTERVAL):
+        assert policy.grant([state], [True], step) == [0]
+    assert policy.grant([state], [True], QUIET_REDECIDE_INTERVAL) == [K]
+    # Quiet again (an expensive proposer), then a verification: decided again at the next step.
+    policy.proposer_cost = _measured_policy(SpeculativeConfig("ngram", K), 17.0, 0.01, 20.0).proposer_cost
+    assert policy.grant([state], [True], 20) == [0]
+    policy.proposer_cost = cheap.proposer_cost
+    assert policy.grant([state], [True], 21) == [0]
+    policy.observe_verification(state, K, K)
+    assert policy.grant([state], [True], 22) == [K]
+    # ... and so does a new request.
+    policy = _measured_policy(SpeculativeConfig("ngram", K), 17.0, 0.01, 20.0)
+    state = policy.new_state(0)
+    state.next_probe_step = 10_000
+    assert policy.grant([state], [True], 0) == [0]
+    policy.proposer_cost = cheap.proposer_cost
+    assert policy.grant([state], [True], 1) == [0]
+    other = policy.new_state(2)
+    other.next_probe_step = 10_000
+    assert policy.grant([state, other], [True, True], 2) == [K, K]
 
 
 def test_a_tree_is_all_its_nodes_or_none_credited_with_its_depth_only():

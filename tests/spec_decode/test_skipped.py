@@ -100,3 +100,18 @@ def test_decodes_between_awake_requests_keep_their_own_rows():
     assert first == 0 and rows[:, 0].tolist() == [0, 1, 2] and (rows[:, 1] == 0).all()
     first, rows = record.take("b", 2, 13)
     assert first == 9 and rows[:, 0].tolist() == [9, 10, 11, 12] and (rows[:, 1] == 2).all()
+
+
+def test_without_hidden_rows_a_request_keeps_its_first_missed_position():
+    """A draft model's record is only where its KV stops: once every sleeper has one, a step changes nothing (the
+    proposer then skips the record altogether), and a new sleeper or one that woke up gets its own again."""
+    record = SkippedPositions(keep_hidden=False, window=8)
+    reqs = {"a": 0, "b": 2}
+    assert not record.all_recorded(np.array([0, 2]))
+    sleep_steps(record, reqs, [{"a": (10, 1, 11)}])
+    assert record.all_recorded(np.array([0])) and not record.all_recorded(np.array([0, 2]))
+    sleep_steps(record, reqs, [{"a": (11, 1, 12), "b": (40, 1, 41)}, {"a": (12, 1, 13), "b": (41, 1, 42)}])
+    assert record.all_recorded(np.array([0, 2]))
+    assert record.take("a", 0, 13) == (10, None)
+    assert not record.all_recorded(np.array([0, 2]))
+    assert record.take("b", 2, 42) == (40, None)
