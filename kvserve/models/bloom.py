@@ -21,6 +21,7 @@ from torch import nn
 from kvserve.attention.base import AttentionBackend, KVCache
 from kvserve.config import ArchConfig
 from kvserve.distributed.parallel_state import get_tp_group
+from kvserve.host_memory import LargeFloat32
 from kvserve.layers.activation import BloomGelu
 from kvserve.layers.alibi import alibi_slopes
 from kvserve.layers.linear import Linear
@@ -108,6 +109,7 @@ class BloomForCausalLM(nn.Module):
         self.transformer = BloomModel(cfg, backend)
         self.tp = get_tp_group()
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
+        self._to_float32 = LargeFloat32()  # a big batch's logits reuse one buffer (host_memory.py)
         if cfg.tie_word_embeddings:
             # Registered after `transformer`, so named_parameters() lists it once, as the embedding.
             self.lm_head.weight = self.transformer.word_embeddings.weight
@@ -139,7 +141,7 @@ class BloomForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (pre-norm) -> logits [N, vocab] in fp32."""
-        logits = self.lm_head(self.transformer.ln_f(hidden)).float()
+        logits = self._to_float32(self.lm_head(self.transformer.ln_f(hidden)))
         return gather_logits(logits, self.config.vocab_size, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 from kvserve.attention.base import AttentionBackend, KVCache
 from kvserve.config import ArchConfig
 from kvserve.distributed.parallel_state import get_tp_group
+from kvserve.host_memory import LargeFloat32
 from kvserve.kernels.cpu import load_cpu_kernels
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.linear import Linear
@@ -252,6 +253,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, backend, dtype)
         self.tp = get_tp_group()
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
+        self._to_float32 = LargeFloat32()  # a big batch's logits reuse one buffer (host_memory.py)
         self._all_fused = False  # every layer runs the C++ layer where it can (prepare_for_inference decides)
         self._stack: Any = None  # ... and then all of them in one call (_layer_stack)
         if cfg.tie_word_embeddings:
@@ -322,7 +324,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (pre-norm) -> logits [N, vocab] in fp32."""
-        logits = self.lm_head(self.model.norm(hidden)).float()
+        logits = self._to_float32(self.lm_head(self.model.norm(hidden)))
         return gather_logits(logits, self.config.vocab_size, self.tp)
 
     # ------------------------------------------------------------------ weights

@@ -136,9 +136,11 @@ class ModelProposer(Proposer):
         """Drafts for `step.sample_idx`; requests the policy leaves out (`step.awake` false) get none, and the
         pass skips their positions (remembered, and caught up on when they are given drafts again)."""
         if step.awake is not None and not step.awake.any():
-            # Everyone asleep, the usual step where drafts do not pay: only the record, kept to a few array
-            # operations (at batch 1 this runs every ~5 ms step).
-            if self.reads_target_hidden or not self._skipped.all_recorded(step.rows):
+            # Everyone asleep, the usual step where drafts do not pay: only the record, and where every request
+            # decoded one token (no prompt chunk, no drafts verified) even that later, with others (skipped.py).
+            if len(step.input_ids) == len(step.rows):
+                self._skipped.defer(step.states, step.rows, step.positions, step.hidden)
+            else:
                 with torch.inference_mode():
                     self._remember_skipped(step)
             return self._no_drafts(step)

@@ -10,6 +10,11 @@ At batch 64 almost every request can be asleep, so the per-step record must not 
 copy per request: the state lives in arrays indexed by the request's InputBatch row (stable while the request is
 in the runner), and the hidden rows of every sleeping request go into one ring buffer [rows, window, hidden] in a
 single indexed copy per step. Per-request Python runs only when a request falls asleep, wakes up or leaves.
+
+At batch 1 even that is too much: right after a forward pass the caches are cold, and each of the record's dozen
+array operations then costs ~10-30 us (measured, kind A: the whole record ~100 us of a 5 ms step, against ~18 us
+warm). So a step in which every request is asleep and decoding only keeps references to its arrays (`defer`), and
+the records are written DEFER_STEPS steps at a time, back to back while warm, or before anything reads them.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch
 
 # Most positions a request left out of the pass catches up on when it is given drafts again (probes stay cheap).
 CATCH_UP_WINDOW = 64
+# Most all-asleep decode steps whose record waits (each holds its [R, hidden] rows: tens of KiB at batch 64).
+DEFER_STEPS = 8
 
 
 class SkippedPositions:
@@ -32,8 +39,35 @@ class SkippedPositions:
         self._first = np.zeros(0, dtype=np.int64)
         self._ring: torch.Tensor | None = None  # [rows, window, hidden], allocated at the first skip
         self._row_of: dict[str, int] = {}  # requests with a record, to clear it when they leave
+        # Steps waiting to be recorded: (states, rows, positions, hidden rows or None), one decode per request.
+        self._deferred: list[tuple[list, np.ndarray, np.ndarray, torch.Tensor | None]] = []
+
+    def defer(self, states: list, rows: np.ndarray, positions: np.ndarray, hidden: torch.Tensor) -> None:
+        """Record a step in which every request decoded one token (token i is request i's, at positions[i]) and
+        none ran through the proposer, later: see the module docstring. `states[i].req_id` names request i."""
+        if self.keep_hidden:
+            # A device's step output may live in a buffer the next step reuses (a CUDA graph's); a host one is new.
+            kept = hidden if hidden.device.type == "cpu" else hidden.clone()
+        else:
+            kept = None
+        self._deferred.append((states, rows, positions, kept))
+        if len(self._deferred) >= DEFER_STEPS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the deferred steps' records, oldest first."""
+        if not self._deferred:
+            return
+        pending, self._deferred = self._deferred, []
+        with torch.inference_mode():
+            for states, rows, positions, hidden in pending:
+                start = positions.astype(np.int64)
+                if hidden is None:
+                    hidden = torch.empty(len(rows), 0)
+                self.remember(lambda i, s=states: s[i].req_id, rows, np.arange(len(rows)), start, start + 1, hidden)
 
     def any_behind(self, rows: np.ndarray) -> bool:
+        self.flush()
         if not self._row_of:
             return False
         rows = rows[rows < len(self._first)]
@@ -41,6 +75,7 @@ class SkippedPositions:
 
     def all_recorded(self, rows: np.ndarray) -> bool:
         """Every one of `rows` has a record already (then, without hidden rows to keep, a step changes none)."""
+        self.flush()
         if not self._row_of or not len(rows) or int(rows.max()) >= len(self._first):
             return False
         return bool((self._first[rows] >= 0).all())
@@ -54,6 +89,8 @@ class SkippedPositions:
         end: np.ndarray,  # [A] its computed count after the step (positions past it are computed again later)
         hidden: torch.Tensor,  # [T, hidden] the target's hidden rows of the step's tokens
     ) -> None:
+        if self._deferred:
+            self.flush()
         if not self.keep_hidden and self.all_recorded(rows):
             return  # every one asleep since an earlier step: its first missing position is kept already
         kept = np.flatnonzero(end > start)  # entries that computed something this step
@@ -95,6 +132,7 @@ class SkippedPositions:
         """Clear the request's record as it is given drafts again; None when it has none, else (first position
         to catch up on, hidden rows of positions first..start-1 when kept). `start`: its first position in the
         step (every position before it was computed while it was left out, from the recorded one on)."""
+        self.flush()
         if row >= len(self._first) or self._first[row] < 0:
             return None
         assert self._row_of.get(req_id) == row, (req_id, row)
@@ -107,6 +145,7 @@ class SkippedPositions:
         return first, self._ring[row, slots]
 
     def forget(self, req_id: str) -> None:
+        self.flush()
         row = self._row_of.get(req_id)
         if row is not None:
             self._clear(req_id, row)

@@ -578,14 +578,21 @@ class ModelRunner:
         assert proposer is not None
         drafts: list[list[int]] = [[] for _ in step.req_ids]
         k = proposer.k
-        awake = np.array([limits.get(req_id, k) > 0 for req_id in step.req_ids], dtype=bool)
         drafted_idx = step.sample_idx
-        if not proposer.runs_model:
-            # The n-gram proposer keeps no state: it searches for the requests given drafts only.
-            drafted_idx = drafted_idx[awake[drafted_idx]]
-            if not len(drafted_idx):
-                return drafts, None
-        max_drafts = np.array([limits.get(step.req_ids[i], k) for i in drafted_idx.tolist()], dtype=np.int64)
+        if all(limits.get(req_id, k) == 0 for req_id in step.req_ids):
+            # Nobody is given drafts (the usual step where they do not pay): as few array operations as can be.
+            if not proposer.runs_model:
+                return drafts, None  # the n-gram proposer keeps no state
+            awake = np.zeros(len(step.req_ids), dtype=bool)
+            max_drafts = np.zeros(len(drafted_idx), dtype=np.int64)
+        else:
+            awake = np.array([limits.get(req_id, k) > 0 for req_id in step.req_ids], dtype=bool)
+            if not proposer.runs_model:
+                # The n-gram proposer keeps no state: it searches for the requests given drafts only.
+                drafted_idx = drafted_idx[awake[drafted_idx]]
+                if not len(drafted_idx):
+                    return drafts, None
+            max_drafts = np.array([limits.get(step.req_ids[i], k) for i in drafted_idx.tolist()], dtype=np.int64)
         proposal = proposer.propose(
             DraftStepInputs(
                 self.batch,

@@ -115,3 +115,33 @@ def test_without_hidden_rows_a_request_keeps_its_first_missed_position():
     assert record.take("a", 0, 13) == (10, None)
     assert not record.all_recorded(np.array([0, 2]))
     assert record.take("b", 2, 42) == (40, None)
+
+
+class _State:
+    def __init__(self, req_id: str) -> None:
+        self.req_id = req_id
+
+
+def test_deferred_decode_steps_record_what_immediate_ones_do():
+    """All-asleep decode steps recorded later, DEFER_STEPS at a time or before a read, give exactly the records of
+    steps recorded at once: first positions and hidden rows, for requests falling asleep midway too."""
+    from kvserve.spec_decode.skipped import DEFER_STEPS
+
+    for keep_hidden in (True, False):
+        now, later = SkippedPositions(keep_hidden, window=8), SkippedPositions(keep_hidden, window=8)
+        reqs = {"a": 0, "b": 5, "c": 2}
+        steps = [{"a": p, "b": 30 + p} for p in range(3, 3 + DEFER_STEPS + 3)]
+        steps += [{"a": p, "b": 30 + p, "c": 50 + p} for p in range(14, 20)]  # c falls asleep midway
+        for step in steps:
+            names = list(step)
+            rows = np.array([reqs[n] for n in names])
+            positions = np.array([step[n] for n in names])
+            hidden = torch.cat([hidden_of(positions[i : i + 1], int(rows[i])) for i in range(len(names))])
+            now.remember(names.__getitem__, rows, np.arange(len(names)), positions, positions + 1, hidden)
+            later.defer([_State(n) for n in names], rows, positions, hidden)
+        assert later._deferred  # some wait for a read
+        for name, end in (("a", 20), ("b", 50), ("c", 70)):
+            want, got = now.take(name, reqs[name], end), later.take(name, reqs[name], end)
+            assert want[0] == got[0]
+            assert (want[1] is None and got[1] is None) or torch.equal(want[1], got[1])
+        assert later.take("a", 0, 20) is None

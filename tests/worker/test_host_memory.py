@@ -72,3 +72,20 @@ def test_user_settings_win(monkeypatch):
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4")
     assert host_memory.keep_freed_memory() is False
+
+
+def test_large_logits_reuse_one_buffer_and_small_ones_are_plain_copies():
+    import torch
+
+    convert = host_memory.LargeFloat32()
+    rows = host_memory.MMAP_THRESHOLD // (4 * 1000) + 1  # just past the heap's limit in fp32
+    big = torch.randn(rows + 10, 1000).to(torch.bfloat16)
+    first = convert(big)
+    assert first.dtype == torch.float32 and torch.equal(first, big.float())
+    second = convert(big[:rows] * 2)  # fewer rows, still past the limit: the same memory
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, (big[:rows] * 2).float())
+    small = torch.randn(8, 1000).to(torch.bfloat16)
+    a, b = convert(small), convert(small)
+    assert a.data_ptr() != b.data_ptr() and torch.equal(a, small.float())  # below the threshold: fresh each time
+    fp32 = torch.randn(rows, 1000)
+    assert convert(fp32) is fp32
