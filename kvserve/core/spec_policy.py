@@ -138,7 +138,9 @@ class SpecDecodePolicy:
         self.engine_acceptance = Acceptance(self.k, _ENGINE_WEIGHT)
         self._probe_credit = 0.0
         self._only_probes = False  # the last grant gave drafts to probes only
-        self._charged = 0.0  # the probe estimates the last grant took from the credit
+        # The proposer's part of the probe estimates the last grant took from the credit: what a probe-only step's
+        # measured proposer seconds replace. (Their verification, in the next step, stays charged at its estimate.)
+        self._charged = 0.0
         # (step id, number of requests) of the last decision that left every request out; None after any change.
         self._quiet: tuple[int, int] | None = None
 
@@ -172,16 +174,19 @@ class SpecDecodePolicy:
             s.limit, s.probing = n, False
             if n == 0 and samples[i] and step_id >= s.next_probe_step:
                 due.append(i)
-        # Where only probes run the proposer after this step, the step's measured proposer seconds are what they
-        # cost (with a new shape's warm-up, which the medians leave out): observe_step swaps the estimate charged
-        # here for them. Each probe is charged its estimate as it is granted, so that many requests due at once
-        # (a batch that arrived together) are probed a few per step, not all in one burst.
+        # Where only probes run the proposer after this step, the step's measured proposer seconds are what their
+        # proposing cost (with a new shape's warm-up, which the medians leave out): observe_step swaps the proposer
+        # part of the estimate charged here for them; their verification stays charged at its estimate (it was
+        # refunded too until Dec 7, which let a tree's 12-row probes spend ~2% at batch 1 against the 1% budget).
+        # Each probe is charged its estimate as it is granted, so that many requests due at once (a batch that
+        # arrived together) are probed a few per step, not all in one burst.
         regular = any(limits)
         self._only_probes = False
         self._charged = 0.0
         if due:
             due.sort(key=lambda i: states[i].next_probe_step)
             cost = self._probe_cost(len(states))
+            propose_cost = self._probe_propose_cost()
             for i in due:
                 if self._probe_credit < 0:
                     break
@@ -196,7 +201,7 @@ class SpecDecodePolicy:
                 if cost is None:
                     break  # nothing measured yet: one probe per step until something is
                 self._probe_credit -= cost
-                self._charged += cost
+                self._charged += propose_cost
         return limits
 
     def _decide_quietly(self, states: list[SpecRequestState], step_id: int) -> list[int]:
@@ -263,14 +268,17 @@ class SpecDecodePolicy:
         return out
 
     def _probe_cost(self, num_decodes: int) -> float | None:
-        """The estimated cost of one probe: the proposer's pass (twice: it also catches up on the positions
-        skipped while the request was left out), one draft (a whole tree), as many more tokens to verify; None
-        before measured."""
+        """The estimated cost of one probe: proposing it (`_probe_propose_cost`) and verifying as many more tokens
+        (a tree's: probe_size rows, which at batch 1 cost more than its drafting); None before measured."""
         verify = self.step_cost.extra_seconds(num_decodes, self.probe_size)
-        propose = self.proposer_cost.seconds(self.probe_size)
-        if verify is None or propose is None:
+        if verify is None or self.proposer_cost.seconds(self.probe_size) is None:
             return None
-        return verify + propose + (self.proposer_cost.per_request.value or 0.0)
+        return verify + self._probe_propose_cost()
+
+    def _probe_propose_cost(self) -> float:
+        """The proposer's part of a probe: its pass (twice: it also catches up on the positions skipped while the
+        request was left out) and one draft (a whole tree)."""
+        return (self.proposer_cost.seconds(self.probe_size) or 0.0) + (self.proposer_cost.per_request.value or 0.0)
 
     # ------------------------------------------------------------------ measurements
 

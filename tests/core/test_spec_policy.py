@@ -240,10 +240,14 @@ def test_requests_due_together_are_probed_a_few_at_a_time():
     assert estimate is not None and estimate > 0
     granted = policy.grant(states, [True] * 64, MIN_PROBE_INTERVAL)
     assert 1 <= sum(granted) <= 36 * MS / estimate + 1 < 64
-    # The step's measured proposer seconds replace the estimates charged: probes that cost five times their
-    # estimate leave the credit four estimates lower each (plus the step's own share of the budget).
+    # The step's measured proposer seconds replace the proposer's part of the estimates charged, and their
+    # verification stays charged: probes whose proposing cost five times its estimate leave the credit four of
+    # those lower each (plus the step's own share of the budget).
     n, credit = sum(granted), policy._probe_credit
-    measured = 5 * estimate * n
+    propose = policy._probe_propose_cost()
+    verify = estimate - propose
+    assert propose > 0 and verify > 0
+    measured = 5 * propose * n
     policy.observe_step(64 + n, False, 36 * MS, measured, n, 0.0, 0)
-    expected = credit + estimate * n - measured + PROBE_BUDGET * (36 * MS + measured)
+    expected = credit + propose * n - measured + PROBE_BUDGET * (36 * MS + measured)
     assert policy._probe_credit == pytest.approx(expected)
