@@ -149,6 +149,11 @@ class StepCostModel:
         (t0, s0), (t1, s1) = pts[i - 1], pts[i]
         return s0 + (s1 - s0) * (num_tokens - t0) / (t1 - t0)
 
+    def measured_up_to(self) -> float:
+        """The largest step size (query tokens) with a measured cost; 0 before any."""
+        pts = self.points()
+        return pts[-1][0] if pts else 0.0
+
     def extra_seconds(self, num_tokens: int, num_more: int) -> float | None:
         """What `num_more` query tokens add to a step of `num_tokens` (never below 0)."""
         base, more = self.seconds(num_tokens), self.seconds(num_tokens + num_more)

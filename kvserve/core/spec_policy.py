@@ -273,6 +273,10 @@ class SpecDecodePolicy:
         verify = self.step_cost.extra_seconds(num_decodes, self.probe_size)
         if verify is None or self.proposer_cost.seconds(self.probe_size) is None:
             return None
+        if num_decodes + self.probe_size > self.step_cost.measured_up_to():
+            # Beyond the measured steps the curve is a pessimistic guess (T / T_max times the largest): charged, it
+            # would hold the credit negative for hundreds of steps, and only probes measure such steps.
+            verify = 0.0
         return verify + self._probe_propose_cost()
 
     def _probe_propose_cost(self) -> float:

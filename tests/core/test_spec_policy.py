@@ -251,3 +251,16 @@ def test_requests_due_together_are_probed_a_few_at_a_time():
     policy.observe_step(64 + n, False, 36 * MS, measured, n, 0.0, 0)
     expected = credit + propose * n - measured + PROBE_BUDGET * (36 * MS + measured)
     assert policy._probe_credit == pytest.approx(expected)
+
+
+def test_a_probe_is_charged_its_verification_only_where_steps_that_size_were_measured():
+    """Before any 13-token step was measured, the curve's guess for one (13 times a 1-token step) would hold the
+    credit negative for hundreds of steps, and only tree probes measure such steps: it is not charged until then."""
+    policy = SpecDecodePolicy(SpeculativeConfig("eagle", 12, tree_depth=4, tree_topk=4))
+    for _ in range(3):
+        policy.observe_step(1, True, 5 * MS, 1 * MS, 1, 2 * MS, 12)
+    propose = policy._probe_propose_cost()
+    assert policy._probe_cost(1) == pytest.approx(propose)
+    for _ in range(3):
+        policy.observe_step(13, True, 9 * MS, 0.0, 0, 0.0, 0)
+    assert policy._probe_cost(1) == pytest.approx(propose + 4 * MS)
