@@ -176,8 +176,8 @@ class SpecDecodePolicy:
                 due.append(i)
         # Where only probes run the proposer after this step, the step's measured proposer seconds are what their
         # proposing cost (with a new shape's warm-up, which the medians leave out): observe_step swaps the proposer
-        # part of the estimate charged here for them; their verification stays charged at its estimate (it was
-        # refunded too until Dec 7, which let a tree's 12-row probes spend ~2% at batch 1 against the 1% budget).
+        # part of the estimate charged here for them; their verification stays charged at its estimate (refunding
+        # it too let a tree's 12-row probes spend ~2% of a batch-1 run against the 1% budget).
         # Each probe is charged its estimate as it is granted, so that many requests due at once (a batch that
         # arrived together) are probed a few per step, not all in one burst.
         regular = any(limits)
