@@ -39,18 +39,15 @@ class SkippedPositions:
         self._first = np.zeros(0, dtype=np.int64)
         self._ring: torch.Tensor | None = None  # [rows, window, hidden], allocated at the first skip
         self._row_of: dict[str, int] = {}  # requests with a record, to clear it when they leave
-        # Steps waiting to be recorded: (states, rows, positions, hidden rows or None), one decode per request.
-        self._deferred: list[tuple[list, np.ndarray, np.ndarray, torch.Tensor | None]] = []
+        # Steps waiting to be recorded: (states, rows, positions, hidden rows), one decode per request.
+        self._deferred: list[tuple[list, np.ndarray, np.ndarray, torch.Tensor]] = []
 
     def defer(self, states: list, rows: np.ndarray, positions: np.ndarray, hidden: torch.Tensor) -> None:
         """Record a step in which every request decoded one token (token i is request i's, at positions[i]) and
         none ran through the proposer, later: see the module docstring. `states[i].req_id` names request i."""
-        if self.keep_hidden:
-            # A device's step output may live in a buffer the next step reuses (a CUDA graph's); a host one is new.
-            kept = hidden if hidden.device.type == "cpu" else hidden.clone()
-        else:
-            kept = None
-        self._deferred.append((states, rows, positions, kept))
+        if self.keep_hidden and hidden.device.type != "cpu":
+            hidden = hidden.clone()  # a device's step output may live in a buffer the next step reuses (CUDA graphs)
+        self._deferred.append((states, rows, positions, hidden))
         if len(self._deferred) >= DEFER_STEPS:
             self.flush()
 
@@ -62,8 +59,6 @@ class SkippedPositions:
         with torch.inference_mode():
             for states, rows, positions, hidden in pending:
                 start = positions.astype(np.int64)
-                if hidden is None:
-                    hidden = torch.empty(len(rows), 0)
                 self.remember(lambda i, s=states: s[i].req_id, rows, np.arange(len(rows)), start, start + 1, hidden)
 
     def any_behind(self, rows: np.ndarray) -> bool:

@@ -579,19 +579,20 @@ class ModelRunner:
         drafts: list[list[int]] = [[] for _ in step.req_ids]
         k = proposer.k
         drafted_idx = step.sample_idx
-        if all(limits.get(req_id, k) == 0 for req_id in step.req_ids):
-            # Nobody is given drafts (the usual step where they do not pay): as few array operations as can be.
-            if not proposer.runs_model:
-                return drafts, None  # the n-gram proposer keeps no state
+        # Nobody given drafts is the usual step where they do not pay: it builds as few arrays as can be.
+        asleep = all(limits.get(req_id, k) == 0 for req_id in step.req_ids)
+        if asleep:
             awake = np.zeros(len(step.req_ids), dtype=bool)
-            max_drafts = np.zeros(len(drafted_idx), dtype=np.int64)
         else:
             awake = np.array([limits.get(req_id, k) > 0 for req_id in step.req_ids], dtype=bool)
-            if not proposer.runs_model:
-                # The n-gram proposer keeps no state: it searches for the requests given drafts only.
-                drafted_idx = drafted_idx[awake[drafted_idx]]
-                if not len(drafted_idx):
-                    return drafts, None
+        if not proposer.runs_model:
+            # The n-gram proposer keeps no state: it searches for the requests given drafts only.
+            drafted_idx = drafted_idx[awake[drafted_idx]] if not asleep else drafted_idx[:0]
+            if not len(drafted_idx):
+                return drafts, None
+        if asleep:
+            max_drafts = np.zeros(len(drafted_idx), dtype=np.int64)
+        else:
             max_drafts = np.array([limits.get(step.req_ids[i], k) for i in drafted_idx.tolist()], dtype=np.int64)
         proposal = proposer.propose(
             DraftStepInputs(
