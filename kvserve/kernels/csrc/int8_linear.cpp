@@ -113,6 +113,10 @@ inline vi dot(vi acc, const Quad& x, const int8_t* w) {
 }
 #endif
 
+// A row tile asks for the weights this many k quads ahead (as linear_bf16.cpp's row tiles do; the hardware
+// prefetcher alone left the arithmetic waiting on memory from about 7 rows on).
+constexpr int64_t kPrefetchQuads = 64;
+
 // What turns one panel's int32 sums into outputs: per-channel scale and column sum (both padded to whole panels),
 // the bias (padded, or null).
 struct PanelEpilogue {
@@ -156,6 +160,7 @@ inline void row_tile(std::index_sequence<I...>, const int8_t* xq, int64_t ldx, c
   for (int64_t q = 0; q < k4; ++q) {
     const int8_t* w = panel + q * kNP * kQ;
     const int8_t* x = xq + q * kQ;
+    for (int l = 0; l < kNP * kQ / 64; ++l) prefetch_l1(w + kPrefetchQuads * kNP * kQ + 64 * l);
     ((acc[I][0] = dot(acc[I][0], quad(x + I * ldx), w), acc[I][1] = dot(acc[I][1], quad(x + I * ldx), w + kW * kQ)),
      ...);
   }
@@ -309,11 +314,16 @@ void gemm_int8(const int8_t* xq, const float* row_scale, const int8_t* wp, const
     TO* yp = y + m0 * N + p * kNP;
     const int8_t* xp = xq + m0 * ldx;
     const float* rs = row_scale + m0;
-    int64_t i = 0;
-    for (; i + kMR <= mcur; i += kMR)
-      row_tile<TO>(std::make_index_sequence<kMR>{}, xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N, ncols);
-    if (i < mcur)
-      tail_tile<TO>(static_cast<int>(mcur - i), xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N, ncols);
+    // Near-equal tiles, as linear_bf16.cpp: a short tail tile has too few accumulator chains to hide the dot
+    // product's latency.
+    const int64_t tiles = cdiv(mcur, static_cast<int64_t>(kMR));
+    for (int64_t t = 0, i = 0; t < tiles; ++t) {
+      const int rows = static_cast<int>(cdiv(mcur - i, tiles - t));
+      if (rows == kMR)
+        row_tile<TO>(std::make_index_sequence<kMR>{}, xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N, ncols);
+      else tail_tile<TO>(rows, xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N, ncols);
+      i += rows;
+    }
   });
 }
 
