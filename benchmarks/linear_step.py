@@ -2,7 +2,7 @@
 one of kvserve's CPU linear paths, per row count: the median of 5 timings of two steps (ms). Random weights, each
 layer its own copy (so they come from memory, as in a real step).
 
-    PYTHONPATH=. python benchmarks/linear_step.py [--path bf16|int8|fp32] [--rows 1 7 13 25 64]
+    PYTHONPATH=. python benchmarks/linear_step.py [--path bf16|int8|int4|fp32] [--rows 1 7 13 25 64]
 
 An A/B of two kernel versions: run it alternately from two worktrees (each builds its own kernels, named by a hash
 of their sources), several rounds, on an otherwise idle machine.
@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from kvserve.kernels.cpu import load_cpu_kernels
+from kvserve.layers.quant.int4_linear import Int4Linear
 from kvserve.layers.quant.int8_linear import Int8Linear
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out) of one layer's linears
@@ -27,6 +28,8 @@ LAYERS, VOCAB = 30, 49152
 def make_linear(kernels, path: str, n: int, k: int):
     if path == "int8":
         return Int8Linear.from_float(torch.randn(n, k) * 0.05)
+    if path == "int4":
+        return Int4Linear.from_float(torch.randn(n, k) * 0.05)
     if path == "bf16":
         w = kernels.pack_linear_weight_bf16_pairs(torch.randn(n, k).bfloat16())
         return lambda x: kernels.linear_bf16_pairs(x, w, n, None)
@@ -36,7 +39,7 @@ def make_linear(kernels, path: str, n: int, k: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--path", choices=["bf16", "int8", "fp32"], default="bf16")
+    ap.add_argument("--path", choices=["bf16", "int8", "int4", "fp32"], default="bf16")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 7, 13, 25, 64])
     ns = ap.parse_args()
     kernels = load_cpu_kernels()

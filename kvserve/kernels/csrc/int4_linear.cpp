@@ -350,9 +350,9 @@ void gemm_int4(const Rows& x, const uint8_t* wp, const float* bias, TO* y, int64
   const PackedCodes packed{wp, x.kb};
   for_each_gemm_block(M, N, kNP, 1, 1, mc, [&](int64_t m0, int64_t mcur, int64_t p, int, int64_t, int64_t) {
     if (mcur < 4 * kMRU) {  // too few rows to repay the unpacking (the same arithmetic either way)
-      int64_t i = 0;
-      for (; i + kMR <= mcur; i += kMR) tile<kMR, 1, TO>(x, m0 + i, wp, p, bias, y, N, N, packed);
-      if (i < mcur) tail_rows<kMR - 1, TO>(static_cast<int>(mcur - i), x, m0 + i, wp, p, bias, y, N, N, packed);
+      for_each_even_tile(mcur, kMR, [&](int64_t i, int rows) {
+        tail_rows<kMR, TO>(rows, x, m0 + i, wp, p, bias, y, N, N, packed);
+      });
       return;
     }
     // This thread's panel p, unpacked for the row block's tiles (a panel of K = 1536 takes 30 KiB).
@@ -366,17 +366,17 @@ void gemm_int4(const Rows& x, const uint8_t* wp, const float* bias, TO* y, int64
       float* f = reinterpret_cast<float*>(blk + 4 * kUnpacked);
       for (int v = 0; v < 2 * kFV; ++v) vstore(f + v * kW, vload_half(dm + v * kW));
     }
-    int64_t i = 0;
-    for (; i + kMRU <= mcur; i += kMRU) tile_unpacked<kMRU, TO>(x, m0 + i, u, p, bias, y, N, N);
-    if (i < mcur) tail_unpacked<kMRU - 1, TO>(static_cast<int>(mcur - i), x, m0 + i, u, p, bias, y, N, N);
+    for_each_even_tile(mcur, kMRU, [&](int64_t i, int rows) {
+      tail_unpacked<kMRU, TO>(rows, x, m0 + i, u, p, bias, y, N, N);
+    });
   });
 #else
   const int64_t mc = row_block_rows(M, x.kb * kQB, kMR);
   const PackedCodes codes{wp, x.kb};
   for_each_gemm_block(M, N, kNP, 1, 1, mc, [&](int64_t m0, int64_t mcur, int64_t p, int, int64_t, int64_t) {
-    int64_t i = 0;
-    for (; i + kMR <= mcur; i += kMR) tile<kMR, 1, TO>(x, m0 + i, wp, p, bias, y, N, N, codes);
-    if (i < mcur) tail_rows<kMR - 1, TO>(static_cast<int>(mcur - i), x, m0 + i, wp, p, bias, y, N, N, codes);
+    for_each_even_tile(mcur, kMR, [&](int64_t i, int rows) {
+      tail_rows<kMR, TO>(rows, x, m0 + i, wp, p, bias, y, N, N, codes);
+    });
   });
 #endif
 }

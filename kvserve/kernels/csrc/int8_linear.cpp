@@ -314,16 +314,11 @@ void gemm_int8(const int8_t* xq, const float* row_scale, const int8_t* wp, const
     TO* yp = y + m0 * N + p * kNP;
     const int8_t* xp = xq + m0 * ldx;
     const float* rs = row_scale + m0;
-    // Near-equal tiles, as linear_bf16.cpp: a short tail tile has too few accumulator chains to hide the dot
-    // product's latency.
-    const int64_t tiles = cdiv(mcur, static_cast<int64_t>(kMR));
-    for (int64_t t = 0, i = 0; t < tiles; ++t) {
-      const int rows = static_cast<int>(cdiv(mcur - i, tiles - t));
+    for_each_even_tile(mcur, kMR, [&](int64_t i, int rows) {
       if (rows == kMR)
         row_tile<TO>(std::make_index_sequence<kMR>{}, xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N, ncols);
       else tail_tile<TO>(rows, xp + i * ldx, ldx, rs + i, panel, k4, ep, yp + i * N, N, ncols);
-      i += rows;
-    }
+    });
   });
 }
 

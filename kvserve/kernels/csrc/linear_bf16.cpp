@@ -304,14 +304,9 @@ void gemm_pairs(const uint16_t* x, const uint16_t* wp, const Out& o, int64_t M, 
     const bool first = k0 == 0, last = k0 + kcur == kp_total;
     const uint16_t* panel = wp + (p * kp_total + k0) * kNP * 2;
     const uint16_t* xp = x + m0 * K + 2 * k0;
-    // Near-equal tiles (13 rows: 7 + 6, not 12 + 1): a one-row tail has 2 accumulator chains, bound by the dot
-    // product's latency, and cost half a full tile's time (a 13-row tree verification paid 1.17x a 12-row one).
-    const int64_t tiles = cdiv(mcur, static_cast<int64_t>(kMR));
-    for (int64_t t = 0, i = 0; t < tiles; ++t) {
-      const int rows = static_cast<int>(cdiv(mcur - i, tiles - t));
+    for_each_even_tile(mcur, kMR, [&](int64_t i, int rows) {
       tail_tile<kMR>(rows, xp + i * K, K, panel, kcur, o, m0 + i, p * kNP, ncols, first, last);
-      i += rows;
-    }
+    });
     if (o.stream && last) _mm_sfence();  // streamed rows are visible before the threads join
   };
   for_each_gemm_block(M, N, kNP, kp_total, kpc, mc, block);

@@ -67,6 +67,19 @@ void for_each_gemm_block(int64_t m, int64_t n, int panel_width, int64_t k, int64
   });
 }
 
+// A block's mcur rows as near-equal row tiles of at most mr rows: fn(first row, rows). 13 rows in tiles of 12 go
+// 7 + 6, not 12 + 1: a 1-row tile has too few independent accumulator chains to hide its dot product's latency
+// and cost about half a full tile (bf16 and int8 kernels, kind A Zen 5). A row's sums do not depend on its tile.
+template <typename F>
+inline void for_each_even_tile(int64_t mcur, int mr, const F& fn) {
+  const int64_t tiles = cdiv(mcur, mr);
+  for (int64_t t = 0, i = 0; t < tiles; ++t) {
+    const int rows = static_cast<int>(cdiv(mcur - i, tiles - t));
+    fn(i, rows);
+    i += rows;
+  }
+}
+
 // Input rows per GEMM block: at most `budget` bytes of input (the block stays in L2 while a thread's panels pass
 // over it), a multiple of the row tile `mr`, and blocks of near-equal size (no short last block when avoidable).
 // Every block streams all the weights once more, so the budget is as large as L2 allows.
