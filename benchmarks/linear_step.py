@@ -17,12 +17,14 @@ import warnings
 
 import torch
 
+from benchmarks.linear_shapes import LAYERS, SHAPES
 from kvserve.kernels.cpu import load_cpu_kernels
 from kvserve.layers.quant.int4_linear import Int4Linear
 from kvserve.layers.quant.int8_linear import Int8Linear
 
-SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out) of one layer's linears
-LAYERS, VOCAB = 30, 49152
+# (in, out) of one layer's linears, and the LM head's (linear_shapes.py's list, shared with bf16_shapes.py)
+LAYER_SHAPES = [(k, n) for k, n in SHAPES if n < 10_000]
+HEAD_IN, VOCAB = next((k, n) for k, n in SHAPES if n >= 10_000)
 
 
 def make_linear(kernels, path: str, n: int, k: int):
@@ -47,19 +49,19 @@ def main() -> None:
         raise SystemExit("the C++ kernels did not load")
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    layers = [[make_linear(kernels, ns.path, n, k) for k, n in SHAPES] for _ in range(LAYERS)]
-    head = make_linear(kernels, ns.path, VOCAB, 576)
+    layers = [[make_linear(kernels, ns.path, n, k) for k, n in LAYER_SHAPES] for _ in range(LAYERS)]
+    head = make_linear(kernels, ns.path, VOCAB, HEAD_IN)
     dtype = torch.float32 if ns.path == "fp32" else torch.bfloat16
 
     def step(xs: dict[int, torch.Tensor]) -> None:
         for layer in layers:
-            for (k, _), linear in zip(SHAPES, layer, strict=True):
+            for (k, _), linear in zip(LAYER_SHAPES, layer, strict=True):
                 linear(xs[k])
-        head(xs[576])
+        head(xs[HEAD_IN])
 
     cells = []
     for m in ns.rows:
-        xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
+        xs = {k: torch.randn(m, k).to(dtype) for k in {k for k, _ in SHAPES}}
         step(xs)
         times = []
         for _ in range(5):
