@@ -111,6 +111,10 @@ class Scheduler:
         self.spec_config = spec_config
         self.spec_policy = SpecDecodePolicy(spec_config) if spec_config is not None else None
         self.spec_stats = SpecDecodingStats()
+        # KV slots a model proposer writes past a request's step tokens (none for n-gram, which runs no model).
+        self._lookahead_slots = (
+            0 if spec_config is None or spec_config.method == "ngram" else spec_config.num_lookahead_slots
+        )
         self.connector = connector
         # kvserve.structured_output.matcher.StructuredOutputManager (fills the step's bitmask), or None.
         self.structured_output = structured_output
@@ -565,10 +569,9 @@ class Scheduler:
     def _lookahead(self, num_tokens_after_step: int) -> int:
         """KV slots a model proposer writes past the step's tokens: its K draft steps (none for n-gram, which
         runs no model), within max_model_len."""
-        spec = self.spec_config
-        if spec is None or spec.method == "ngram":
+        if not self._lookahead_slots:
             return 0
-        return max(0, min(spec.num_lookahead_slots, self.config.max_model_len - num_tokens_after_step))
+        return max(0, min(self._lookahead_slots, self.config.max_model_len - num_tokens_after_step))
 
     def _max_drafts(self, request: Request) -> int:
         """Drafts that fit: 1 + k tokens are emitted at most, within max_tokens and max_model_len."""

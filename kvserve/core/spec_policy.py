@@ -20,7 +20,8 @@ Exploration: a request at k = 0 is probed with one draft (a whole tree with tree
 passed (8 steps, doubling after each failed probe up to 256, back to 8 after an accepted one), so that one whose
 text becomes predictable is tried again. Probes are paid from a credit that grows by `PROBE_BUDGET` of every
 step's measured time and that each probe spends its estimated cost from, so exploration costs at most about that
-share of throughput.
+share of throughput. Nobody is probed where no number of drafts would pay at the current batch size and costs even
+if every draft were accepted (a tree at batch 8 or more on a small CPU): such a probe could never lead to a grant.
 
 The limit the scheduler sends with step N (`SchedulerOutput.spec_draft_limits`) is what the proposer drafts
 after N, and what step N + 1 verifies at most: the decision is made once, with the acceptance known when N is
@@ -183,6 +184,9 @@ class SpecDecodePolicy:
         regular = any(limits)
         self._only_probes = False
         self._charged = 0.0
+        if due and not self._probe_can_pay(len(states)):
+            # Left due: they are probed as soon as a probe could pay again (the batch shrinks, the costs drift).
+            due = []
         if due:
             due.sort(key=lambda i: states[i].next_probe_step)
             cost = self._probe_cost(len(states))
@@ -266,6 +270,24 @@ class SpecDecodePolicy:
             else:
                 refused.add(key)
         return out
+
+    def _probe_can_pay(self, num_decodes: int) -> bool:
+        """Whether drafts could pay at this batch size even if every one were accepted: a probe that cannot lead to
+        a grant only costs. (A 12-node tree at batch 8 or 64 on a 2-core CPU: its rows and drafting cost more than
+        the request's five tokens at best are worth.) True while the costs are not measured: probes measure them."""
+        plain = self.step_cost.seconds(num_decodes)
+        if plain is None or not self.proposer_cost.measured:
+            return True
+        share = plain / num_decodes
+        measured_up_to = self.step_cost.measured_up_to()
+        for n in (self.k,) if self.tree else range(1, self.k + 1):
+            # Beyond the measured steps verification counts as free, as in _probe_cost: only probes measure there.
+            verify = self.step_cost.extra_seconds(num_decodes, n) if num_decodes + n <= measured_up_to else 0.0
+            propose = self.proposer_cost.seconds(n)
+            assert verify is not None and propose is not None
+            if (1 + min(n, self.depth)) * share > (1.0 + MARGIN) * (share + verify + propose):
+                return True
+        return False
 
     def _probe_cost(self, num_decodes: int) -> float | None:
         """The estimated cost of one probe: proposing it (`_probe_propose_cost`) and verifying as many more tokens

@@ -229,7 +229,7 @@ def test_requests_due_together_are_probed_a_few_at_a_time():
     """A batch that arrived together comes due for its first probes in the same step. Where nothing else is
     drafted, each probe still takes its estimate from the credit as it is granted, so the credit (at most one step's
     time) buys a few probes per step, not one for every request: the burst that cost a batch-64 run 2% at once."""
-    policy = _measured_policy(SpeculativeConfig("ngram", K), 17.0, 0.3, 1.0)
+    policy = _measured_policy(SpeculativeConfig("ngram", K), 17.0, 0.3, 0.2)
     states = [policy.new_state(0) for _ in range(64)]
     for s in states:
         for _ in range(5):
@@ -264,3 +264,22 @@ def test_a_probe_is_charged_its_verification_only_where_steps_that_size_were_mea
     for _ in range(3):
         policy.observe_step(13, True, 9 * MS, 0.0, 0, 0.0, 0)
     assert policy._probe_cost(1) == pytest.approx(propose + 4 * MS)
+
+
+def test_nobody_is_probed_where_drafts_could_not_pay_even_if_all_were_accepted():
+    """A 12-node tree of depth 4 emits 5 tokens at best. At batch 64 on a compute-bound curve (0.3 ms a token) its
+    12 rows and 4 ms of drafting cost far more than that is worth, so probing it only costs; at batch 1 it could
+    pay, and probes run. A chain's single draft can still pay at batch 64, so the chain keeps probing there."""
+    tree = SpeculativeConfig("eagle", 12, tree_depth=4, tree_topk=4)
+    for config, draft_ms, probes_at_64 in ((tree, 4.0, False), (SpeculativeConfig("eagle", K), 0.1, True)):
+        policy = _measured_policy(config, 17.0, 0.3, 0.1)
+        for _ in range(2):  # each drafted token: 0.33 ms in the tree, 0.025 ms in the chain
+            policy.observe_step(1, True, 17 * MS, 0.1 * MS, 1, draft_ms * MS, config.num_speculative_tokens)
+        states = [policy.new_state(0) for _ in range(64)]
+        for _ in range(200):  # the credit is full
+            policy.observe_step(64, True, 36 * MS, 0.0, 0, 0.0, 0)
+        assert (sum(policy.grant(states, [True] * 64, MIN_PROBE_INTERVAL)) > 0) == probes_at_64
+        if not probes_at_64:  # still due: probed as soon as they could pay
+            assert all(s.next_probe_step == MIN_PROBE_INTERVAL for s in states)
+        alone = policy.new_state(0)
+        assert policy.grant([alone], [True], MIN_PROBE_INTERVAL) == [config.num_speculative_tokens]
