@@ -54,7 +54,7 @@ from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_events import KVCacheEvent
 from kvserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from kvserve.core.spec_policy import SpecDecodePolicy, SpecDecodingStats
+from kvserve.core.spec_policy import SpecDecodePolicy, SpecDecodingStats, accepted_nodes
 from kvserve.core.swap import SwapManager
 from kvserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 from kvserve.outputs import EngineCoreOutput, ModelRunnerOutput, SpecStepTiming
@@ -447,7 +447,10 @@ class Scheduler:
                 num_accepted = len(token_ids) - 1
                 # The rejected drafts' KV slots are garbage now; later steps overwrite them.
                 request.num_computed_tokens -= len(drafts) - num_accepted
-                self._record_drafts(request, len(drafts), num_accepted)
+                path = None
+                if request.spec_parents is not None:  # a tree: the policy learns from its accepted path's nodes
+                    path = accepted_nodes(drafts, request.spec_parents, token_ids)
+                self._record_drafts(request, len(drafts), num_accepted, path)
             grammar_completed = False
             if len(token_ids) == 1 and request.grammar is None:
                 request.append_output_token_id(token_ids[0])
@@ -579,10 +582,12 @@ class Scheduler:
         room = min(request.max_tokens - request.num_output_tokens - 1, self.config.max_model_len - request.num_tokens)
         return max(0, min(self.spec_config.num_speculative_tokens, room))
 
-    def _record_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+    def _record_drafts(
+        self, request: Request, num_drafts: int, num_accepted: int, path: list[int] | None = None
+    ) -> None:
         self.spec_stats.observe(num_drafts, num_accepted)
         assert self.spec_policy is not None
-        self.spec_policy.observe_verification(request.spec_state, num_drafts, num_accepted)
+        self.spec_policy.observe_verification(request.spec_state, num_drafts, num_accepted, path)
 
     def _observe_spec_timing(self, scheduler_output: SchedulerOutput, timing: SpecStepTiming) -> None:
         """Hand the runner's measured seconds to the policy; the step is decode-only when every request in it

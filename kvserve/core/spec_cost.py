@@ -10,7 +10,8 @@ The speculation policy (core/spec_policy.py) asks two questions each step, and b
 * whether k drafts pay: `best_num_drafts`. With per-position acceptance a_i (the chance that draft i is accepted
   when drafts 1..i-1 were), k drafts earn 1 + sum_{i<=k} prod(a_1..a_i) tokens for the request in the step. Their
   cost is the request's share of a plain step plus what proposing and verifying them adds; k is worth it only
-  where tokens per second beat the plain step's 1 / share by a margin.
+  where tokens per second beat the plain step's 1 / share by a margin. A draft tree's size is chosen the same way
+  (`best_tree_size`), from the expected accepted path of its best n nodes.
 """
 
 from __future__ import annotations
@@ -53,6 +54,23 @@ def best_num_drafts(
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
+
+
+def best_tree_size(
+    lengths: Sequence[float], plain_seconds: float, extra_seconds: Sequence[float], margin: float
+) -> int:
+    """The number of tree nodes n in 0..len(extra_seconds) with the most expected tokens per second for one
+    request: `lengths[n - 1]` is the expected accepted path of its best n nodes, so n nodes earn 1 + lengths[n - 1]
+    tokens for `plain_seconds` + `extra_seconds[n - 1]`; as in best_num_drafts, n > 0 only where that beats the
+    plain rate by the factor 1 + margin."""
+    if plain_seconds <= 0:
+        return 0
+    best_n, best_rate = 0, (1.0 + margin) / plain_seconds
+    for n, (length, extra) in enumerate(zip(lengths, extra_seconds, strict=True), start=1):
+        rate = (1.0 + length) / (plain_seconds + max(extra, 0.0))
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return best_n
 
 
 def bucket(num_tokens: int) -> int:

@@ -11,8 +11,11 @@ propose and verify, from three measured things (core/spec_cost.py):
 * the target's step cost against its query tokens, from decode-only steps.
 
 Each step the running requests are taken in order of first-position acceptance, best first; each gets the k
-that maximises its expected tokens per second (`best_num_drafts`; a tree all its nodes or none), with its
-verification charged at the step's size so far (f(T + k) - f(T), T = decodes + drafts already given). k = 0
+that maximises its expected tokens per second (`best_num_drafts`), with its verification charged at the step's size
+so far (f(T + k) - f(T), T = decodes + drafts already given). A draft tree gets its best n nodes for the n that
+maximises the same rate (`best_tree_size`): trees are flattened best node first (spec_decode/tree.py), so its
+acceptance is kept per size, the expected accepted path of its best n nodes, learnt from each verified tree's
+accepted path (`TreeAcceptance`), and its proposing costs what a whole tree's does whatever n. k = 0
 leaves the request out of the proposer altogether (a model proposer catches up on its KV when the request is
 given drafts again: see spec_decode/model_proposer.py), so a proposer that does not pay costs (almost) nothing.
 
@@ -33,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.config import SpeculativeConfig
-from kvserve.core.spec_cost import ProposerCostModel, StepCostModel, best_num_drafts, expected_tokens
+from kvserve.core.spec_cost import ProposerCostModel, StepCostModel, best_num_drafts, best_tree_size
 
 # Speculate only where expected tokens per second beat a plain step's by this factor (noise in the costs).
 MARGIN = 0.05
@@ -80,8 +83,9 @@ class SpecDecodingStats:
 
 
 class Acceptance:
-    """Moving averages of per-position acceptance, starting from a prior (PRIOR_ACCEPTANCE, or the engine-wide
-    estimate); a position reached for the first time starts from the last observed position's value."""
+    """A chain's acceptance: moving averages of per-position acceptance, starting from a prior (PRIOR_ACCEPTANCE,
+    or the engine-wide estimate); a position reached for the first time starts from the last observed position's
+    value."""
 
     __slots__ = ("values", "num_observed", "weight")
 
@@ -108,11 +112,59 @@ class Acceptance:
         self.num_observed = max(self.num_observed, reached)
 
 
+class TreeAcceptance:
+    """A tree's acceptance: moving averages of the accepted path's length had the tree been cut to its best n
+    nodes, n = 1..K. Nodes are in rank order and every path node comes after its parent, so the path that a cut to n
+    nodes would have accepted is the verified path's nodes below index n: one verified tree of m nodes measures every
+    size up to m. Sizes never measured keep their start (the engine-wide estimate, or PRIOR_ACCEPTANCE per level)."""
+
+    __slots__ = ("values", "num_observed", "weight")
+
+    def __init__(self, k: int, depth: int, weight: float, start: TreeAcceptance | None = None) -> None:
+        self.weight = weight
+        if start is not None:
+            self.values, self.num_observed = list(start.values[:k]), start.num_observed
+        else:
+            self.values = [sum(PRIOR_ACCEPTANCE**d for d in range(1, min(n, depth) + 1)) for n in range(1, k + 1)]
+            self.num_observed = 0
+
+    def effective(self, k: int) -> list[float]:
+        """Per size 1..k; never shorter for a larger tree (it holds the smaller one)."""
+        out, best = [], 0.0
+        for v in self.values[:k]:
+            best = max(best, v)
+            out.append(best)
+        return out
+
+    def observe(self, num_nodes: int, path: list[int]) -> None:
+        """A tree of `num_nodes` nodes was verified and accepted `path` (node indices, root to leaf)."""
+        w = self.weight
+        for n in range(1, min(num_nodes, len(self.values)) + 1):
+            accepted = sum(1 for j in path if j < n)
+            self.values[n - 1] = (1 - w) * self.values[n - 1] + w * accepted
+        self.num_observed = max(self.num_observed, num_nodes)
+
+
+def accepted_nodes(draft_ids: list[int], parents: list[int], emitted: list[int]) -> list[int]:
+    """The node indices of a verified tree's accepted path, from its tokens, its parents and the tokens the step
+    emitted (the accepted ones, then the target's own): siblings are distinct tokens, so each emitted token names
+    one child of the last accepted node."""
+    path: list[int] = []
+    node = -1
+    for token in emitted[:-1]:
+        child = [j for j, (t, p) in enumerate(zip(draft_ids, parents, strict=False)) if p == node and t == token]
+        if not child:  # not a path of this tree (cannot happen): what was matched, rather than a failed step
+            break
+        node = child[0]
+        path.append(node)
+    return path
+
+
 @dataclass
 class SpecRequestState:
     """The policy's per-request state (kept on the scheduler's Request)."""
 
-    acceptance: Acceptance
+    acceptance: Acceptance | TreeAcceptance
     next_probe_step: int
     probe_interval: int = MIN_PROBE_INTERVAL
     limit: int = 0  # drafts granted with the last step: the proposer drafts this many, the next step verifies them
@@ -127,16 +179,17 @@ class SpecDecodePolicy:
         self.config = config
         self.k = config.num_speculative_tokens
         # Drafts that can be accepted in one step: K for a chain, tree_depth for a tree of K nodes (its accepted
-        # path is one root-to-leaf walk). A tree is all K nodes or none: it is grown with the same expansions
-        # whatever its node budget (then pruned), so a smaller one saves only verification rows, and its measured
-        # costs and acceptance are those of whole trees. Its K nodes are costed as K drafts (verified and drafted
-        # tokens) and credited with the acceptance of its `depth` levels; its probes are whole trees too.
+        # path is one root-to-leaf walk). A tree of n nodes is its best n (spec_decode/tree.py): it is grown with
+        # the same expansions whatever n, so its proposing is costed as a whole tree's and only its verification
+        # rows depend on n. Its probes are whole trees, which measure every size at once.
         self.tree = config.tree
         self.depth = config.tree_depth if config.tree_depth is not None else self.k
         self.probe_size = self.k if self.tree else 1
         self.step_cost = StepCostModel()
         self.proposer_cost = ProposerCostModel()
-        self.engine_acceptance = Acceptance(self.k, _ENGINE_WEIGHT)
+        self.engine_acceptance: Acceptance | TreeAcceptance = (
+            TreeAcceptance(self.k, self.depth, _ENGINE_WEIGHT) if self.tree else Acceptance(self.k, _ENGINE_WEIGHT)
+        )
         self._probe_credit = 0.0
         self._only_probes = False  # the last grant gave drafts to probes only
         # The proposer's part of the probe estimates the last grant took from the credit: what a probe-only step's
@@ -146,7 +199,11 @@ class SpecDecodePolicy:
         self._quiet: tuple[int, int] | None = None
 
     def new_state(self, step_id: int) -> SpecRequestState:
-        start = Acceptance(self.k, _REQUEST_WEIGHT, self.engine_acceptance)
+        engine = self.engine_acceptance
+        if isinstance(engine, TreeAcceptance):
+            start: Acceptance | TreeAcceptance = TreeAcceptance(self.k, self.depth, _REQUEST_WEIGHT, engine)
+        else:
+            start = Acceptance(self.k, _REQUEST_WEIGHT, engine)
         # Nothing measured yet: probe at the first chance (only probes measure); else after the usual interval.
         first_probe = step_id if not self.proposer_cost.measured else step_id + MIN_PROBE_INTERVAL
         self._quiet = None
@@ -226,25 +283,30 @@ class SpecDecodePolicy:
         return n
 
     def decide(self, acceptance: list[list[float]], num_decodes: int) -> list[int]:
-        """Drafts for each of `num_decodes` requests (acceptance[i]: request i's per-position estimate), best
-        acceptance first, each charged the verification cost at the step's size so far. 0 for all while the
-        costs are not measured yet."""
+        """Drafts for each of `num_decodes` requests (acceptance[i]: request i's per-position estimate; a tree's:
+        per size, TreeAcceptance), best acceptance first, each charged the verification cost at the step's size so
+        far. 0 for all while the costs are not measured yet."""
         plain = self.step_cost.seconds(num_decodes)
         out = [0] * len(acceptance)
         if plain is None or not self.proposer_cost.measured or not acceptance:
             return out
         share = plain / num_decodes
-        proposer = [self.proposer_cost.seconds(n) or 0.0 for n in range(self.k + 1)]
+        if self.tree:  # a whole tree is grown whatever its size
+            proposer = [0.0] + [self.proposer_cost.seconds(self.k) or 0.0] * self.k
+        else:
+            proposer = [self.proposer_cost.seconds(n) or 0.0 for n in range(self.k + 1)]
         num_tokens = num_decodes
-        order = sorted(range(len(acceptance)), key=lambda i: -acceptance[i][0])
+        # A chain's first position bounds what it can earn; a tree's largest size does.
+        first = -1 if self.tree else 0
+        order = sorted(range(len(acceptance)), key=lambda i: -acceptance[i][first])
         extra: list[float] = []
         extra_at = -1  # the step size `extra` was computed for: it changes only where a request gets drafts
         # Requests with the same estimates get the same answer at the same step size (at batch 64 most requests
         # that failed the same probes have the same estimates): the estimates refused at the current size.
         refused: set[tuple[float, ...]] = set()
         for i in order:
-            acc = acceptance[i][: self.depth] + [0.0] * (self.k - self.depth)
-            if acc[0] <= 0.0:
+            acc = acceptance[i] if self.tree else acceptance[i][: self.depth] + [0.0] * (self.k - self.depth)
+            if acc[first] <= 0.0:
                 break  # sorted: nobody after it can gain anything
             key = tuple(acc)
             if key in refused:
@@ -259,8 +321,7 @@ class SpecDecodePolicy:
                     extra.append(max(0.0, more - base) + proposer[j])
                 extra_at = num_tokens
             if self.tree:
-                rate = expected_tokens(acc, self.depth) / (share + max(extra[-1], 0.0))
-                n = self.k if rate > (1.0 + MARGIN) / share else 0
+                n = best_tree_size(acc, share, extra, MARGIN)
             else:
                 n = best_num_drafts(acc, share, extra, MARGIN)
             if n:
@@ -280,10 +341,10 @@ class SpecDecodePolicy:
             return True
         share = plain / num_decodes
         measured_up_to = self.step_cost.measured_up_to()
-        for n in (self.k,) if self.tree else range(1, self.k + 1):
+        for n in range(1, self.k + 1):
             # Beyond the measured steps verification counts as free, as in _probe_cost: only probes measure there.
             verify = self.step_cost.extra_seconds(num_decodes, n) if num_decodes + n <= measured_up_to else 0.0
-            propose = self.proposer_cost.seconds(n)
+            propose = self.proposer_cost.seconds(self.k if self.tree else n)
             assert verify is not None and propose is not None
             if (1 + min(n, self.depth)) * share > (1.0 + MARGIN) * (share + verify + propose):
                 return True
@@ -308,13 +369,21 @@ class SpecDecodePolicy:
 
     # ------------------------------------------------------------------ measurements
 
-    def observe_verification(self, state: SpecRequestState, num_drafts: int, num_accepted: int) -> None:
+    def observe_verification(
+        self, state: SpecRequestState, num_drafts: int, num_accepted: int, path: list[int] | None = None
+    ) -> None:
         """A step verified `num_drafts` of the request's drafts and accepted the first `num_accepted` (a tree:
-        `num_drafts` nodes, an accepted path `num_accepted` long; only its first tree_depth levels can be hit)."""
-        num_drafts = min(num_drafts, self.depth)
+        `num_drafts` nodes and the accepted path's node indices, `num_accepted` of them: `accepted_nodes`)."""
         self._quiet = None
-        state.acceptance.observe(num_drafts, num_accepted)
-        self.engine_acceptance.observe(num_drafts, num_accepted)
+        if isinstance(state.acceptance, TreeAcceptance):
+            assert path is not None, "a tree's verification comes with its accepted path"
+            state.acceptance.observe(num_drafts, path)
+            assert isinstance(self.engine_acceptance, TreeAcceptance)
+            self.engine_acceptance.observe(num_drafts, path)
+        else:
+            assert isinstance(state.acceptance, Acceptance) and isinstance(self.engine_acceptance, Acceptance)
+            state.acceptance.observe(num_drafts, num_accepted)
+            self.engine_acceptance.observe(num_drafts, num_accepted)
         if state.verifying_probe:
             state.verifying_probe = False
             # A chain's one-draft probe succeeds when its draft is accepted, a tree's when its path is one deep.

@@ -71,9 +71,9 @@ def propose_trees(proposer: EagleProposer, step: DraftStepInputs, depth: int, to
         [None] * num_s,
         num_pass_requests=len(step.rows),
         draft_seconds=time.perf_counter() - started,
-        # NOTE: the policy costs a tree of k nodes as k drafts (core/spec_policy.py): its per-draft cost is the
-        # expansions' seconds over the nodes they grew.
-        num_draft_tokens=sum(len(d) for d in drafts),
+        # NOTE: a tree's expansions are the same whatever its node budget (it is grown whole, then cut), so the
+        # policy costs every tree as one of K nodes (core/spec_policy.py): K draft tokens per tree grown.
+        num_draft_tokens=proposer.k * sum(1 for d in drafts if d),
         parents=parents,
     )
 

@@ -1,8 +1,11 @@
 """EAGLE-2 draft trees: growing one, its tree-attention mask, the walk that verifies it, and the KV moves
 that keep only the accepted path.
 
-A tree hangs below the request's last verified token (the root, not a node). Its N nodes are flattened in
-topological order (each parent before its children); `parents[j]` is the parent node's index, -1 for the root.
+A tree hangs below the request's last verified token (the root, not a node). Its N nodes are flattened in rank
+order, best cumulative draft log-prob first (ties: the earlier-made node first). That order is topological (a child
+never scores above its parent, and is made after it), and its first n nodes are the tree that a budget of n nodes
+would have kept: the policy can verify a prefix, and from one verified tree learn what every smaller one would have
+accepted (core/spec_policy.py). `parents[j]` is the parent node's index, -1 for the root.
 Verification feeds N + 1 query tokens: the root, then node j at query index j + 1, at position
 root position + depth(j); each attends to the cached context plus its own ancestors and itself
 (`ancestor_mask`, passed to the attention backend as AttentionInputs.query_masks).
@@ -89,8 +92,8 @@ def grow_eagle2_tree(
     log-prob (the frontier) are expanded: `expand(pool, frontier)` returns each frontier node's next-token
     log-probs, one row per frontier node (the pool holds every candidate so far, so the callback can read a node's
     path), and each frontier node gets its top_k children. Finally every candidate is reranked by cumulative
-    log-prob and the best `total_nodes` kept. A child never scores above its parent (log-probs <= 0) and ties keep
-    the earlier-made node, so the kept set holds every kept node's ancestors."""
+    log-prob and the best `total_nodes` kept, in that rank order. A child never scores above its parent (log-probs
+    <= 0) and ties keep the earlier-made node, so the kept set holds every kept node's ancestors, each before it."""
     if depth < 1 or top_k < 1 or total_nodes < 1:
         raise ValueError(f"draft tree: depth, top_k and total_nodes must be >= 1 (got {depth}, {top_k}, {total_nodes})")
     # A kept node's ancestors are kept too, so no kept node is deeper than total_nodes: levels past it would
@@ -116,7 +119,7 @@ def grow_eagle2_tree(
         values, ids = top_k_log_probs(expand(pool, frontier), top_k)
         assert values.shape[0] == len(frontier), (values.shape, len(frontier))
         last = [c for f, v, i in zip(frontier, values, ids, strict=True) for c in add_children(int(f), scores[f], v, i)]
-    keep = sorted(sorted(range(len(tokens)), key=lambda j: (-scores[j], j))[:total_nodes])  # creation = topo order
+    keep = sorted(range(len(tokens)), key=lambda j: (-scores[j], j))[:total_nodes]
     new_index = {old: new for new, old in enumerate(keep)}
     kept_parents = [-1 if parents[j] < 0 else new_index[parents[j]] for j in keep]
     return DraftTree(

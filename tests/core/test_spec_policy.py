@@ -14,6 +14,8 @@ from kvserve.core.spec_policy import (
     QUIET_REDECIDE_INTERVAL,
     Acceptance,
     SpecDecodePolicy,
+    TreeAcceptance,
+    accepted_nodes,
 )
 
 K = 4
@@ -199,30 +201,59 @@ def test_a_quiet_decision_is_reused_until_something_it_depends_on_changes():
     assert policy.grant([state, other], [True, True], 2) == [K, K]
 
 
-def test_a_tree_is_all_its_nodes_or_none_credited_with_its_depth_only():
-    """A tree of 8 nodes and depth 2: grown with the same expansions whatever its budget, so the policy gives all 8
-    nodes or none; its nodes cost 8 drafts, but only its first two levels can be accepted. Its probes are whole
-    trees, and one accepted level makes a probe a success."""
+def test_a_trees_acceptance_is_learnt_per_size_from_its_accepted_path():
+    """Nodes are in rank order, so a tree cut to its best n nodes would have accepted the verified path's nodes
+    below n: one verified tree of 8 nodes with path 0 -> 2 -> 5 measures every size up to 8."""
+    acc = TreeAcceptance(8, 4, 1.0)  # weight 1: the values are the last observation
+    assert acc.values[:5] == pytest.approx([0.5, 0.75, 0.875, 0.9375, 0.9375])  # the prior, per level reached
+    acc.observe(8, [0, 2, 5])
+    assert acc.values == [1, 1, 2, 2, 2, 3, 3, 3]
+    acc.observe(4, [])  # a smaller tree measures only its sizes; larger ones keep theirs
+    assert acc.values == [0, 0, 0, 0, 2, 3, 3, 3] and acc.num_observed == 8
+    half = TreeAcceptance(3, 3, 0.5, start=acc)
+    half.observe(3, [1])
+    assert half.values == [0, 0.5, 0.5]
+    assert TreeAcceptance(3, 3, 1.0, start=half).effective(3) == [0, 0.5, 0.5]
+    assert TreeAcceptance(4, 4, 1.0, start=TreeAcceptance(4, 4, 1.0)).effective(4)[-1] == pytest.approx(0.9375)
+    lengths = TreeAcceptance(4, 4, 1.0)
+    lengths.values = [1.0, 0.0, 2.0, 1.0]
+    assert lengths.effective(4) == [1.0, 1.0, 2.0, 2.0]  # a larger tree holds the smaller one
+
+
+def test_accepted_nodes_follows_the_emitted_tokens_through_the_tree():
+    tokens, parents = [5, 7, 5, 9, 7], [-1, -1, 0, 1, 2]
+    assert accepted_nodes(tokens, parents, [7, 9, 3]) == [1, 3]
+    assert accepted_nodes(tokens, parents, [5, 5, 7, 1]) == [0, 2, 4]
+    assert accepted_nodes(tokens, parents, [4]) == []
+    assert accepted_nodes(tokens[:3], parents[:3], [7, 9]) == [1]  # a verified prefix of the proposed tree
+    assert accepted_nodes(tokens, parents, [5, 8, 1]) == [0]  # no such path (cannot happen): what matched
+
+
+def test_a_tree_gets_the_size_with_the_best_rate_and_probes_are_whole_trees():
+    """A tree of 8 nodes and depth 2 on a compute-bound curve (0.3 ms a verified row on a 17 ms step, drafting
+    free): its best 3 nodes hold almost all it accepts, so 3 nodes give the best tokens per second. Its probes are
+    whole trees, and one accepted level makes a probe a success."""
     tree = SpeculativeConfig("eagle", 8, tree_depth=2, tree_topk=4, tree_num_nodes=8)
-    chain = SpeculativeConfig("eagle", 8)
-    # Compute-bound enough (0.3 ms a token on a 17 ms step) that each node has to earn its place.
-    tree_policy = _measured_policy(tree, 17.0, 0.3, 0.0)
-    chain_policy = _measured_policy(chain, 17.0, 0.3, 0.0)
-    assert chain_policy.decide([[0.9] * 8], 1) == [8]
-    assert tree_policy.decide([[0.9] * 8], 1) == [8]  # 1 + 0.9 + 0.81 tokens for 2.4 ms more: pays
-    # Levels past the depth earn nothing: 1.1 tokens for 2.4 ms more does not pay (one chain draft, 0.3 ms, does).
-    assert tree_policy.decide([[0.1, 0.0] + [0.99] * 6], 1) == [0]
-    assert chain_policy.decide([[0.1, 0.0] + [0.99] * 6], 1) == [1]
-    state = tree_policy.new_state(0)
-    tree_policy.observe_verification(state, 8, 2)
-    assert state.acceptance.num_observed == 2 and state.acceptance.values[1] > PRIOR_ACCEPTANCE
-    bad = tree_policy.new_state(0)
-    for _ in range(5):
-        tree_policy.observe_verification(bad, 8, 0)
-    assert tree_policy.grant([bad], [True], MIN_PROBE_INTERVAL) == [8]  # a whole tree
-    assert tree_policy.num_to_verify(bad, 8) == 8 and bad.verifying_probe
-    tree_policy.observe_verification(bad, 8, 1)
+    policy = _measured_policy(tree, 17.0, 0.3, 0.0)
+    lengths = [0.6, 0.8, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5]
+    assert policy.decide([lengths], 1) == [3]  # 2.5 tokens for 18.2 ms: more nodes cost rows and earn nothing
+    assert policy.decide([[0.05] * 8], 1) == [0]
+    # The step grows as requests get nodes: the second is charged the rows after the first's.
+    assert policy.decide([[0.05] * 8, lengths, [1.6] * 8], 2) == [0, 3, 1]  # the best last value goes first
+    # A whole tree is costed for any size: with 5 ms of drafting a single node no longer pays.
+    costly = _measured_policy(tree, 17.0, 0.3, 0.0)
+    for _ in range(2):
+        costly.observe_step(1, True, 17 * MS, 0.0, 1, 5 * MS, 8)
+    assert costly.decide([[0.3] + [1.6] * 7], 1) == [2]
+    assert costly.decide([[0.3] * 8], 1) == [0]
+    bad = policy.new_state(0)
+    for _ in range(10):
+        policy.observe_verification(bad, 8, 0, [])
+    assert policy.grant([bad], [True], MIN_PROBE_INTERVAL) == [8]  # a whole tree
+    assert policy.num_to_verify(bad, 8) == 8 and bad.verifying_probe
+    policy.observe_verification(bad, 8, 1, [4])
     assert bad.probe_interval == MIN_PROBE_INTERVAL
+    assert bad.acceptance.values[3] < bad.acceptance.values[4]  # only sizes from 5 on held node 4
 
 
 def test_requests_due_together_are_probed_a_few_at_a_time():
@@ -282,4 +313,4 @@ def test_nobody_is_probed_where_drafts_could_not_pay_even_if_all_were_accepted()
         if not probes_at_64:  # still due: probed as soon as they could pay
             assert all(s.next_probe_step == MIN_PROBE_INTERVAL for s in states)
         alone = policy.new_state(0)
-        assert policy.grant([alone], [True], MIN_PROBE_INTERVAL) == [config.num_speculative_tokens]
+        assert policy.grant([alone], [True], MIN_PROBE_INTERVAL)[0] > 0  # at batch 1 it can pay

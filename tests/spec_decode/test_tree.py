@@ -42,12 +42,12 @@ def test_grow_hand_example_exact():
     tree = grow_eagle2_tree(root, expand, depth=3, top_k=2, total_nodes=4)
     # Depth 2's frontier is both depth-1 nodes; depth 3's is the best two of the four depth-2 nodes: (1,0) and (2,4).
     assert calls == [(1,), (2,), (1, 0), (2, 4)]
-    # Best four of all: 1 (0.6), 1-0 (0.42), 2 (0.25), 2-4 (0.225); creation (topological) order.
-    assert tree.tokens.tolist() == [1, 2, 0, 4]
-    assert tree.parents.tolist() == [-1, -1, 0, 1]
-    np.testing.assert_allclose(np.exp(tree.scores), [0.6, 0.25, 0.42, 0.225])
-    assert tree.depths().tolist() == [1, 1, 2, 2]
-    assert tree.positions(10).tolist() == [10, 11, 11, 12, 12]
+    # Best four of all, in rank order (which is topological): 1 (0.6), 1-0 (0.42), 2 (0.25), 2-4 (0.225).
+    assert tree.tokens.tolist() == [1, 0, 2, 4]
+    assert tree.parents.tolist() == [-1, 0, -1, 2]
+    np.testing.assert_allclose(np.exp(tree.scores), [0.6, 0.42, 0.25, 0.225])
+    assert tree.depths().tolist() == [1, 2, 1, 2]
+    assert tree.positions(10).tolist() == [10, 11, 12, 11, 12]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -66,8 +66,10 @@ def test_grow_random_is_the_best_ancestor_closed_set(seed, depth, top_k, total):
         pools.append(pool)
         return np.stack([dist() for _ in frontier])
 
+    state = rng.bit_generator.state
     tree = grow_eagle2_tree(dist(), expand, depth, top_k, total)
     assert len(pools) == depth - 1
+    assert all(np.diff(tree.scores) <= 0)  # rank order
     pool_size = top_k + (depth - 1) * top_k * top_k  # the root's top_k, then top_k children of top_k per depth
     assert len(tree) == min(total, pool_size)
     for j, p in enumerate(tree.parents):
@@ -84,6 +86,13 @@ def test_grow_random_is_the_best_ancestor_closed_set(seed, depth, top_k, total):
         kept = set(np.round(tree.scores, 12).tolist())
         dropped = [x for x in made if round(x, 12) not in kept]
         assert not dropped or max(dropped) <= tree.scores.min() + 1e-12
+    # Its first n nodes are the tree that a budget of n grows from the same draws (the expansions do not depend on
+    # the budget while it reaches every level).
+    for n in range(depth, len(tree)):
+        rng.bit_generator.state = state
+        small = grow_eagle2_tree(dist(), expand, depth, top_k, n)
+        for field in ("tokens", "parents", "scores"):
+            np.testing.assert_array_equal(getattr(small, field), getattr(tree, field)[:n])
 
 
 def test_grow_from_top_k_pairs_equals_grow_from_rows():

@@ -8,6 +8,8 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import SpeculativeConfig
+from kvserve.core import scheduler as scheduler_module
+from kvserve.core.spec_policy import SpecDecodePolicy
 from kvserve.spec_decode.eagle_train import (
     embedding_and_lm_head,
     hf_llama_config,
@@ -153,7 +155,41 @@ def test_sampled_walk_is_accepted_whole(target_path, fitted_head, monkeypatch):
     assert_all_blocks_free(llm)
 
 
-def test_adaptive_policy_runs_with_trees(target_path, fitted_head, plain):
+def watch_tree_paths(monkeypatch) -> list[tuple[int, int]]:
+    """Each verified tree's (nodes, accepted) as the policy observes it, checking the accepted path that the
+    scheduler finds in the tree (the policy learns its acceptance per size from it): as long as the accepted
+    drafts, within the verified nodes, each node below the one before."""
+    seen = []
+    observe, find = SpecDecodePolicy.observe_verification, scheduler_module.accepted_nodes
+
+    def found(draft_ids, parents, emitted):
+        path = find(draft_ids, parents, emitted)
+        for d, (parent, node) in enumerate(zip([-1, *path], path, strict=False)):
+            assert node < len(draft_ids) and parents[node] == parent and draft_ids[node] == emitted[d], path
+        return path
+
+    def checked(self, state, num_drafts, num_accepted, path=None):
+        assert path is not None and len(path) == num_accepted, (path, num_accepted)
+        seen.append((num_drafts, num_accepted))
+        observe(self, state, num_drafts, num_accepted, path)
+
+    monkeypatch.setattr(scheduler_module, "accepted_nodes", found)
+    monkeypatch.setattr(SpecDecodePolicy, "observe_verification", checked)
+    return seen
+
+
+def test_the_scheduler_finds_each_accepted_path(target_path, fitted_head, plain, monkeypatch):
+    seen = watch_tree_paths(monkeypatch)
+    llm = LLM(target_path, dtype="float32", max_model_len=256, speculative_config=tree_config(fitted_head))
+    prompts = copy_prompts(2, 5)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    assert token_ids(llm, prompts, params) == token_ids(plain, prompts, params)
+    assert any(a > 1 for _, a in seen), seen
+
+
+def test_adaptive_policy_runs_with_trees(target_path, fitted_head, plain, monkeypatch):
+    """The policy sizes each tree (a prefix of its rank-ordered nodes)."""
+    seen = watch_tree_paths(monkeypatch)
     llm = LLM(
         target_path,
         dtype="float32",
@@ -163,6 +199,7 @@ def test_adaptive_policy_runs_with_trees(target_path, fitted_head, plain):
     prompts = copy_prompts(3, 21)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     assert token_ids(llm, prompts, params) == token_ids(plain, prompts, params)
+    assert seen  # at least its first probe
     assert_all_blocks_free(llm)
 
 
