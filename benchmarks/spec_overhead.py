@@ -1,7 +1,8 @@
 """What speculation with the cost-aware policy adds to a step where it does not pay, phase by phase.
 
     PYTHONPATH=. python benchmarks/spec_overhead.py [--proposer draft|eagle|eagle-tree|ngram] [--batch 1] \\
-        [--workload chat] [--output-len 128] [--pairs 2] [--head DIR] [--draft-vocab-size N] [--draft-quantization int8]
+        [--workload chat] [--output-len 128] [--pairs 2] [--head DIR] [--draft-vocab-size N] \\
+        [--draft-quantization int8] [--quantization int8]
 
 Two engines in one process, speculation off and on (greedy), run in ABBA order on the same requests; each run
 prints its output tok/s and the engine's phase timer (ms per phase: schedule, prepare_inputs, forward, logits,
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--head", default=None, help="the EAGLE head's folder")
     ap.add_argument("--draft-vocab-size", type=int, default=0)
     ap.add_argument("--draft-quantization", default=None)
+    ap.add_argument("--quantization", default=None, help="the target's weights (int8), both engines")
     ns = ap.parse_args()
     config = dict(PROPOSERS[ns.proposer])
     if ns.proposer.startswith("eagle"):
@@ -60,9 +62,10 @@ def main() -> None:
         config.update({"draft_vocab_size": ns.draft_vocab_size} if ns.draft_vocab_size else {})
         config.update({"quantization": ns.draft_quantization} if ns.draft_quantization else {})
     calls = time_proposer_calls()
+    base = {"max_num_seqs": ns.batch, "quantization": ns.quantization}
     engines = {
-        "off": LLM.from_engine_args(EngineArgs(max_num_seqs=ns.batch)),
-        "on": LLM.from_engine_args(EngineArgs(max_num_seqs=ns.batch, speculative_config=config)),
+        "off": LLM.from_engine_args(EngineArgs(**base)),
+        "on": LLM.from_engine_args(EngineArgs(**base, speculative_config=config)),
     }
     off = engines["off"]
     tokenizer = off.get_tokenizer() if ns.workload == "chat" else None

@@ -119,6 +119,7 @@ class StepCostModel:
     def __init__(self) -> None:
         self._buckets: dict[int, tuple[list[int], RecentMedian]] = {}
         self._points: list[tuple[float, float]] | None = []  # sorted (T, seconds), rebuilt lazily
+        self._xs: list[float] = []  # their T, for bisect (the policy asks for ~10 costs a step)
 
     @property
     def empty(self) -> bool:
@@ -144,6 +145,7 @@ class StepCostModel:
                 if secs.value is not None:
                     pts.append((total / count, secs.value))
             self._points = sorted(pts)
+            self._xs = [p[0] for p in self._points]
         return self._points
 
     def seconds(self, num_tokens: float) -> float | None:
@@ -151,7 +153,7 @@ class StepCostModel:
         pts = self.points()
         if not pts:
             return None
-        xs = [p[0] for p in pts]
+        xs = self._xs
         i = bisect.bisect_left(xs, num_tokens)
         if i < len(pts) and xs[i] == num_tokens:
             return pts[i][1]

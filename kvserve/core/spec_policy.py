@@ -197,6 +197,8 @@ class SpecDecodePolicy:
         self._charged = 0.0
         # (step id, number of requests) of the last decision that left every request out; None after any change.
         self._quiet: tuple[int, int] | None = None
+        # (step id, number of requests) where _probe_can_pay last said no.
+        self._probe_refused: tuple[int, int] | None = None
 
     def new_state(self, step_id: int) -> SpecRequestState:
         engine = self.engine_acceptance
@@ -241,8 +243,9 @@ class SpecDecodePolicy:
         regular = any(limits)
         self._only_probes = False
         self._charged = 0.0
-        if due and not self._probe_can_pay(len(states)):
-            # Left due: they are probed as soon as a probe could pay again (the batch shrinks, the costs drift).
+        if due and (self._probe_credit < 0 or not self._probe_can_pay(len(states), step_id)):
+            # Left due: they are probed once the credit allows and a probe could pay again (the batch shrinks, the
+            # costs drift).
             due = []
         if due:
             due.sort(key=lambda i: states[i].next_probe_step)
@@ -332,10 +335,20 @@ class SpecDecodePolicy:
                 refused.add(key)
         return out
 
-    def _probe_can_pay(self, num_decodes: int) -> bool:
+    def _probe_can_pay(self, num_decodes: int, step_id: int) -> bool:
         """Whether drafts could pay at this batch size even if every one were accepted: a probe that cannot lead to
         a grant only costs. (A 12-node tree at batch 8 or 64 on a 2-core CPU: its rows and drafting cost more than
-        the request's five tokens at best are worth.) True while the costs are not measured: probes measure them."""
+        the request's five tokens at best are worth.) True while the costs are not measured: probes measure them.
+        A "no" holds for QUIET_REDECIDE_INTERVAL steps at the same batch size (requests stay due meanwhile, and the
+        answer moves only with the costs)."""
+        refused = self._probe_refused
+        if refused is not None and refused[1] == num_decodes and 0 <= step_id - refused[0] < QUIET_REDECIDE_INTERVAL:
+            return False
+        can = self._probe_could_pay(num_decodes)
+        self._probe_refused = None if can else (step_id, num_decodes)
+        return can
+
+    def _probe_could_pay(self, num_decodes: int) -> bool:
         plain = self.step_cost.seconds(num_decodes)
         if plain is None or not self.proposer_cost.measured:
             return True
