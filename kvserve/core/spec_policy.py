@@ -294,10 +294,7 @@ class SpecDecodePolicy:
         if plain is None or not self.proposer_cost.measured or not acceptance:
             return out
         share = plain / num_decodes
-        if self.tree:  # a whole tree is grown whatever its size
-            proposer = [0.0] + [self.proposer_cost.seconds(self.k) or 0.0] * self.k
-        else:
-            proposer = [self.proposer_cost.seconds(n) or 0.0 for n in range(self.k + 1)]
+        proposer = [self._propose_seconds(n) or 0.0 for n in range(self.k + 1)]
         num_tokens = num_decodes
         # A chain's first position bounds what it can earn; a tree's largest size does.
         first = -1 if self.tree else 0
@@ -353,11 +350,8 @@ class SpecDecodePolicy:
         if plain is None or not self.proposer_cost.measured:
             return True
         share = plain / num_decodes
-        measured_up_to = self.step_cost.measured_up_to()
         for n in range(1, self.k + 1):
-            # Beyond the measured steps verification counts as free, as in _probe_cost: only probes measure there.
-            verify = self.step_cost.extra_seconds(num_decodes, n) if num_decodes + n <= measured_up_to else 0.0
-            propose = self.proposer_cost.seconds(self.k if self.tree else n)
+            verify, propose = self._probe_verify_seconds(num_decodes, n), self._propose_seconds(n)
             assert verify is not None and propose is not None
             if (1 + min(n, self.depth)) * share > (1.0 + MARGIN) * (share + verify + propose):
                 return True
@@ -366,19 +360,30 @@ class SpecDecodePolicy:
     def _probe_cost(self, num_decodes: int) -> float | None:
         """The estimated cost of one probe: proposing it (`_probe_propose_cost`) and verifying as many more tokens
         (a tree's: probe_size rows, which at batch 1 cost more than its drafting); None before measured."""
-        verify = self.step_cost.extra_seconds(num_decodes, self.probe_size)
-        if verify is None or self.proposer_cost.seconds(self.probe_size) is None:
+        verify = self._probe_verify_seconds(num_decodes, self.probe_size)
+        if verify is None or self._propose_seconds(self.probe_size) is None:
             return None
-        if num_decodes + self.probe_size > self.step_cost.measured_up_to():
-            # Beyond the measured steps the curve is a pessimistic guess (T / T_max times the largest): charged, it
-            # would hold the credit negative for hundreds of steps, and only probes measure such steps.
-            verify = 0.0
         return verify + self._probe_propose_cost()
+
+    def _probe_verify_seconds(self, num_decodes: int, num_more: int) -> float | None:
+        """What verifying `num_more` drafts adds to a step of `num_decodes`, as a probe is charged: 0 beyond the
+        measured steps, where the curve is a pessimistic guess (T / T_max times the largest): charged, it would hold
+        the credit negative for hundreds of steps, and only probes measure such steps."""
+        if num_decodes + num_more > self.step_cost.measured_up_to():
+            return 0.0 if not self.step_cost.empty else None
+        return self.step_cost.extra_seconds(num_decodes, num_more)
+
+    def _propose_seconds(self, num_drafts: int) -> float | None:
+        """Proposing `num_drafts` drafts for one request (0: none); a tree of any size costs a whole tree's, since it
+        is grown with the same expansions whatever its size."""
+        if num_drafts and self.tree:
+            num_drafts = self.k
+        return self.proposer_cost.seconds(num_drafts)
 
     def _probe_propose_cost(self) -> float:
         """The proposer's part of a probe: its pass (twice: it also catches up on the positions skipped while the
         request was left out) and one draft (a whole tree)."""
-        return (self.proposer_cost.seconds(self.probe_size) or 0.0) + (self.proposer_cost.per_request.value or 0.0)
+        return (self._propose_seconds(self.probe_size) or 0.0) + (self.proposer_cost.per_request.value or 0.0)
 
     # ------------------------------------------------------------------ measurements
 
