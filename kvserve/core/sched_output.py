@@ -49,6 +49,9 @@ class SchedulerOutput:
     # than num_speculative_tokens (absent: all of them). A draft model's steps cost time whether or not their
     # drafts are verified, so its proposer drafts no more than this.
     spec_draft_limits: dict[str, int] = field(default_factory=dict)
+    # req_id -> the levels to grow the request's draft tree to, where the policy gives fewer than tree_depth
+    # (absent: all of them; chains: always empty).
+    spec_tree_depths: dict[str, int] = field(default_factory=dict)
     # Swap preemption, as (device block id, swap block id) pairs: copied before this step's forward. A step
     # never has both (no admissions in a step that preempts), so their order does not matter.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)

@@ -54,7 +54,7 @@ from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_events import KVCacheEvent
 from kvserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from kvserve.core.spec_policy import SpecDecodePolicy, SpecDecodingStats, accepted_nodes
+from kvserve.core.spec_policy import SpecDecodePolicy, SpecDecodingStats, accepted_nodes, node_depths
 from kvserve.core.swap import SwapManager
 from kvserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 from kvserve.outputs import EngineCoreOutput, ModelRunnerOutput, SpecStepTiming
@@ -362,6 +362,7 @@ class Scheduler:
         finished = self._finished_req_ids | preempted
         self._finished_req_ids = set()
         assert not (swap_out and swap_in), "a step that preempts admits nothing"
+        limits, depths = self._draft_limits()
         so = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -369,7 +370,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
             scheduled_spec_decode_tokens=scheduled_spec,
-            spec_draft_limits=self._draft_limits(),
+            spec_draft_limits=limits,
+            spec_tree_depths=depths,
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
             structured_output_request_ids=grammar_req_ids,
@@ -398,16 +400,24 @@ class Scheduler:
                 plan[request.request_id] = n
         return plan
 
-    def _draft_limits(self) -> dict[str, int]:
+    def _draft_limits(self) -> tuple[dict[str, int], dict[str, int]]:
         """The policy's limit for each running request's drafts after this step (where below
-        num_speculative_tokens; 0 leaves it out of the proposer); called once the step's tokens are counted."""
+        num_speculative_tokens; 0 leaves it out of the proposer), and a tree's depth (where below tree_depth);
+        called once the step's tokens are counted."""
         policy = self.spec_policy
         if policy is None:
-            return {}
+            return {}, {}
         samples = [r.num_computed_tokens >= r.num_tokens for r in self.running]
         limits = policy.grant([r.spec_state for r in self.running], samples, self._num_steps)
-        k = policy.k
-        return {r.request_id: n for r, n in zip(self.running, limits, strict=True) if n < k}
+        k, depth = policy.k, policy.depth
+        depths = {}
+        if policy.tree:
+            depths = {
+                r.request_id: r.spec_state.depth
+                for r, n in zip(self.running, limits, strict=True)
+                if 0 < n and r.spec_state.depth < depth
+            }
+        return {r.request_id: n for r, n in zip(self.running, limits, strict=True) if n < k}, depths
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -447,10 +457,11 @@ class Scheduler:
                 num_accepted = len(token_ids) - 1
                 # The rejected drafts' KV slots are garbage now; later steps overwrite them.
                 request.num_computed_tokens -= len(drafts) - num_accepted
-                path = None
+                path = depths = None
                 if request.spec_parents is not None:  # a tree: the policy learns from its accepted path's nodes
-                    path = accepted_nodes(drafts, request.spec_parents, token_ids)
-                self._record_drafts(request, len(drafts), num_accepted, path)
+                    parents = list(request.spec_parents[: len(drafts)])
+                    path, depths = accepted_nodes(drafts, parents, token_ids), node_depths(parents)
+                self._record_drafts(request, len(drafts), num_accepted, path, depths)
             grammar_completed = False
             if len(token_ids) == 1 and request.grammar is None:
                 request.append_output_token_id(token_ids[0])
@@ -583,11 +594,16 @@ class Scheduler:
         return max(0, min(self.spec_config.num_speculative_tokens, room))
 
     def _record_drafts(
-        self, request: Request, num_drafts: int, num_accepted: int, path: list[int] | None = None
+        self,
+        request: Request,
+        num_drafts: int,
+        num_accepted: int,
+        path: list[int] | None = None,
+        depths: list[int] | None = None,
     ) -> None:
         self.spec_stats.observe(num_drafts, num_accepted)
         assert self.spec_policy is not None
-        self.spec_policy.observe_verification(request.spec_state, num_drafts, num_accepted, path)
+        self.spec_policy.observe_verification(request.spec_state, num_drafts, num_accepted, path, depths)
 
     def _observe_spec_timing(self, scheduler_output: SchedulerOutput, timing: SpecStepTiming) -> None:
         """Hand the runner's measured seconds to the policy; the step is decode-only when every request in it

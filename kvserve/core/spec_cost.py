@@ -10,8 +10,8 @@ The speculation policy (core/spec_policy.py) asks two questions each step, and b
 * whether k drafts pay: `best_num_drafts`. With per-position acceptance a_i (the chance that draft i is accepted
   when drafts 1..i-1 were), k drafts earn 1 + sum_{i<=k} prod(a_1..a_i) tokens for the request in the step. Their
   cost is the request's share of a plain step plus what proposing and verifying them adds; k is worth it only
-  where tokens per second beat the plain step's 1 / share by a margin. A draft tree's size is chosen the same way
-  (`best_tree_size`), from the expected accepted path of its best n nodes.
+  where tokens per second beat the plain step's 1 / share by a margin. A draft tree's size and depth are chosen the
+  same way (`best_tree_shape`), from the expected accepted path of its best n nodes at each depth.
 """
 
 from __future__ import annotations
@@ -56,21 +56,29 @@ def best_num_drafts(
     return best_k
 
 
-def best_tree_size(
-    lengths: Sequence[float], plain_seconds: float, extra_seconds: Sequence[float], margin: float
-) -> int:
-    """The number of tree nodes n in 0..len(extra_seconds) with the most expected tokens per second for one
-    request: `lengths[n - 1]` is the expected accepted path of its best n nodes, so n nodes earn 1 + lengths[n - 1]
-    tokens for `plain_seconds` + `extra_seconds[n - 1]`; as in best_num_drafts, n > 0 only where that beats the
-    plain rate by the factor 1 + margin."""
+def best_tree_shape(
+    lengths: Sequence[Sequence[float]],
+    plain_seconds: float,
+    verify_seconds: Sequence[float],
+    propose_seconds: Sequence[float],
+    margin: float,
+) -> tuple[int, int]:
+    """The tree (n nodes, depth d) with the most expected tokens per second for one request, or (0, 0) for none.
+
+    `lengths[d - 1][n - 1]`: the expected accepted path of the tree grown d levels deep and cut to its best n nodes,
+    which earns 1 + that many tokens (a row may stop short of K where a depth holds fewer nodes);
+    `verify_seconds[n - 1]`: what verifying n more rows adds to the step;
+    `propose_seconds[d - 1]`: what growing a tree d levels deep costs (the expansions, whatever n). As in
+    best_num_drafts, a tree is chosen only where its rate beats the plain rate by the factor 1 + margin."""
     if plain_seconds <= 0:
-        return 0
-    best_n, best_rate = 0, (1.0 + margin) / plain_seconds
-    for n, (length, extra) in enumerate(zip(lengths, extra_seconds, strict=True), start=1):
-        rate = (1.0 + length) / (plain_seconds + max(extra, 0.0))
-        if rate > best_rate:
-            best_n, best_rate = n, rate
-    return best_n
+        return 0, 0
+    best, best_rate = (0, 0), (1.0 + margin) / plain_seconds
+    for d, (row, propose) in enumerate(zip(lengths, propose_seconds, strict=True), start=1):
+        for n, (length, verify) in enumerate(zip(row, verify_seconds[: len(row)], strict=True), start=1):
+            rate = (1.0 + length) / (plain_seconds + max(verify + propose, 0.0))
+            if rate > best_rate:
+                best, best_rate = (n, d), rate
+    return best
 
 
 def bucket(num_tokens: int) -> int:

@@ -12,10 +12,12 @@ propose and verify, from three measured things (core/spec_cost.py):
 
 Each step the running requests are taken in order of first-position acceptance, best first; each gets the k
 that maximises its expected tokens per second (`best_num_drafts`), with its verification charged at the step's size
-so far (f(T + k) - f(T), T = decodes + drafts already given). A draft tree gets its best n nodes for the n that
-maximises the same rate (`best_tree_size`): trees are flattened best node first (spec_decode/tree.py), so its
-acceptance is kept per size, the expected accepted path of its best n nodes, learnt from each verified tree's
-accepted path (`TreeAcceptance`), and its proposing costs what a whole tree's does whatever n. k = 0
+so far (f(T + k) - f(T), T = decodes + drafts already given). A draft tree gets the depth d and the best n nodes
+that maximise the same rate (`best_tree_shape`): trees are flattened best node first (spec_decode/tree.py), so its
+acceptance is kept per depth and size, the expected accepted path of its best n nodes when grown d levels deep,
+learnt from each verified tree's accepted path (`TreeAcceptance`); growing it costs d - 1 expansions whatever n,
+verifying it n rows. (On a 2-core CPU at batch 1 a third expansion cost ~0.6 ms of a ~7 ms tree step and bought
+little: a fixed depth 3 beat depth 4 by 7%.) k = 0
 leaves the request out of the proposer altogether (a model proposer catches up on its KV when the request is
 given drafts again: see spec_decode/model_proposer.py), so a proposer that does not pay costs (almost) nothing.
 
@@ -36,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.config import SpeculativeConfig
-from kvserve.core.spec_cost import ProposerCostModel, StepCostModel, best_num_drafts, best_tree_size
+from kvserve.core.spec_cost import ProposerCostModel, StepCostModel, best_num_drafts, best_tree_shape
 
 # Speculate only where expected tokens per second beat a plain step's by this factor (noise in the costs).
 MARGIN = 0.05
@@ -113,36 +115,69 @@ class Acceptance:
 
 
 class TreeAcceptance:
-    """A tree's acceptance: moving averages of the accepted path's length had the tree been cut to its best n
-    nodes, n = 1..K. Nodes are in rank order and every path node comes after its parent, so the path that a cut to n
-    nodes would have accepted is the verified path's nodes below index n: one verified tree of m nodes measures every
-    size up to m. Sizes never measured keep their start (the engine-wide estimate, or PRIOR_ACCEPTANCE per level)."""
+    """A tree's acceptance: moving averages of the accepted path's length had the tree been grown d levels deep and
+    cut to its best n nodes, per depth d = 1..D and size n = 1..K (`values[d - 1][n - 1]`).
+
+    Nodes are in rank order and every path node comes after its parent, so a cut to n nodes would have accepted the
+    verified path's nodes below index n. A tree grown d levels deep has the deeper tree's first d levels, ranked
+    in the same order (spec_decode/tree.py), so it is the deeper tree's nodes of depth <= d, in order: one verified
+    tree grown D deep measures, at each d <= D, every size up to its number of nodes of depth <= d. Sizes never
+    measured keep their start (the engine-wide estimate, or PRIOR_ACCEPTANCE per level). A tree d deep has at most
+    top_k + (d - 1) * top_k^2 nodes (top_k children of each of top_k frontier nodes per level): its row stops there."""
 
     __slots__ = ("values", "num_observed", "weight")
 
-    def __init__(self, k: int, depth: int, weight: float, start: TreeAcceptance | None = None) -> None:
+    def __init__(self, k: int, depth: int, top_k: int, weight: float, start: TreeAcceptance | None = None) -> None:
         self.weight = weight
         if start is not None:
-            self.values, self.num_observed = list(start.values[:k]), start.num_observed
+            self.values = [list(row[:k]) for row in start.values[:depth]]
+            self.num_observed = start.num_observed
         else:
-            self.values = [sum(PRIOR_ACCEPTANCE**d for d in range(1, min(n, depth) + 1)) for n in range(1, k + 1)]
+            self.values = [
+                [
+                    sum(PRIOR_ACCEPTANCE**level for level in range(1, min(n, d) + 1))
+                    for n in range(1, min(k, top_k + (d - 1) * top_k * top_k) + 1)
+                ]
+                for d in range(1, depth + 1)
+            ]
             self.num_observed = 0
 
-    def effective(self, k: int) -> list[float]:
-        """Per size 1..k; never shorter for a larger tree (it holds the smaller one)."""
-        out, best = [], 0.0
-        for v in self.values[:k]:
-            best = max(best, v)
-            out.append(best)
+    def effective(self, k: int) -> list[list[float]]:
+        """Per depth, per size 1..k (or fewer where the depth holds fewer nodes); never shorter for a larger tree of
+        the same depth (it holds the smaller one)."""
+        out = []
+        for row in self.values:
+            best, kept = 0.0, []
+            for v in row[:k]:
+                best = max(best, v)
+                kept.append(best)
+            out.append(kept)
         return out
 
-    def observe(self, num_nodes: int, path: list[int]) -> None:
-        """A tree of `num_nodes` nodes was verified and accepted `path` (node indices, root to leaf)."""
+    def observe(self, depths: list[int], path: list[int], grown_depth: int) -> None:
+        """A tree grown `grown_depth` levels deep was verified: `depths` [N] its verified nodes' depths (1: a child
+        of the root), in rank order; `path` the accepted node indices, root to leaf (node path[i] is at depth i + 1)."""
         w = self.weight
-        for n in range(1, min(num_nodes, len(self.values)) + 1):
-            accepted = sum(1 for j in path if j < n)
-            self.values[n - 1] = (1 - w) * self.values[n - 1] + w * accepted
-        self.num_observed = max(self.num_observed, num_nodes)
+        for d in range(1, min(grown_depth, len(self.values)) + 1):
+            row = self.values[d - 1]
+            rank, shallow = {}, 0  # node -> its rank among the nodes of depth <= d
+            for j, dj in enumerate(depths):
+                if dj <= d:
+                    rank[j] = shallow
+                    shallow += 1
+            ranks = [rank[j] for j in path[:d]]
+            for n in range(1, min(shallow, len(row)) + 1):
+                accepted = sum(1 for r in ranks if r < n)
+                row[n - 1] = (1 - w) * row[n - 1] + w * accepted
+        self.num_observed = max(self.num_observed, len(depths))
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    """[N] each node's depth (1: a child of the root) from its parent indices, parents first."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
 
 
 def accepted_nodes(draft_ids: list[int], parents: list[int], emitted: list[int]) -> list[int]:
@@ -168,6 +203,8 @@ class SpecRequestState:
     next_probe_step: int
     probe_interval: int = MIN_PROBE_INTERVAL
     limit: int = 0  # drafts granted with the last step: the proposer drafts this many, the next step verifies them
+    depth: int = 0  # a tree's: the levels granted with `limit` (the proposer grows its tree this deep)
+    verified_depth: int = 0  # a tree's: the levels the tree this step verifies was grown to
     probing: bool = False  # `limit` is a probe
     verifying_probe: bool = False  # the drafts the step verifies are a probe
 
@@ -179,16 +216,19 @@ class SpecDecodePolicy:
         self.config = config
         self.k = config.num_speculative_tokens
         # Drafts that can be accepted in one step: K for a chain, tree_depth for a tree of K nodes (its accepted
-        # path is one root-to-leaf walk). A tree of n nodes is its best n (spec_decode/tree.py): it is grown with
-        # the same expansions whatever n, so its proposing is costed as a whole tree's and only its verification
-        # rows depend on n. Its probes are whole trees, which measure every size at once.
+        # path is one root-to-leaf walk). A tree of n nodes grown d levels deep is its best n (spec_decode/tree.py):
+        # its proposing costs the d - 1 expansions whatever n, its verification n rows. Its probes are whole trees
+        # (K nodes, tree_depth levels), which measure every shape at once.
         self.tree = config.tree
         self.depth = config.tree_depth if config.tree_depth is not None else self.k
+        self.top_k = config.tree_topk or 1
         self.probe_size = self.k if self.tree else 1
         self.step_cost = StepCostModel()
         self.proposer_cost = ProposerCostModel()
         self.engine_acceptance: Acceptance | TreeAcceptance = (
-            TreeAcceptance(self.k, self.depth, _ENGINE_WEIGHT) if self.tree else Acceptance(self.k, _ENGINE_WEIGHT)
+            TreeAcceptance(self.k, self.depth, self.top_k, _ENGINE_WEIGHT)
+            if self.tree
+            else Acceptance(self.k, _ENGINE_WEIGHT)
         )
         self._probe_credit = 0.0
         self._only_probes = False  # the last grant gave drafts to probes only
@@ -197,13 +237,13 @@ class SpecDecodePolicy:
         self._charged = 0.0
         # (step id, number of requests) of the last decision that left every request out; None after any change.
         self._quiet: tuple[int, int] | None = None
-        # (step id, number of requests) where _probe_can_pay last said no.
+        # (step id, number of requests) where _probe_shape last said no.
         self._probe_refused: tuple[int, int] | None = None
 
     def new_state(self, step_id: int) -> SpecRequestState:
         engine = self.engine_acceptance
         if isinstance(engine, TreeAcceptance):
-            start: Acceptance | TreeAcceptance = TreeAcceptance(self.k, self.depth, _REQUEST_WEIGHT, engine)
+            start: Acceptance | TreeAcceptance = TreeAcceptance(self.k, self.depth, self.top_k, _REQUEST_WEIGHT, engine)
         else:
             start = Acceptance(self.k, _REQUEST_WEIGHT, engine)
         # Nothing measured yet: probe at the first chance (only probes measure); else after the usual interval.
@@ -224,14 +264,14 @@ class SpecDecodePolicy:
             return [0] * len(states)
         if not self.config.adaptive:
             for s in states:
-                s.limit, s.probing = k, False
+                s.limit, s.depth, s.probing = k, self.depth, False
             return [k] * len(states)
-        limits = self._decide_quietly(states, step_id)
+        limits, depths = self._decide_quietly(states, step_id)
         due = []
         for i, (s, n) in enumerate(zip(states, limits, strict=True)):
             if n == 0 and s.limit > 0 and not s.probing:  # left out from now on: its first probe an interval later
                 s.next_probe_step = step_id + s.probe_interval
-            s.limit, s.probing = n, False
+            s.limit, s.depth, s.probing = n, depths[i], False
             if n == 0 and samples[i] and step_id >= s.next_probe_step:
                 due.append(i)
         # Where only probes run the proposer after this step, the step's measured proposer seconds are what their
@@ -243,20 +283,23 @@ class SpecDecodePolicy:
         regular = any(limits)
         self._only_probes = False
         self._charged = 0.0
-        if due and (self._probe_credit < 0 or not self._probe_can_pay(len(states), step_id)):
+        shape = self._probe_shape(len(states), step_id) if due and self._probe_credit >= 0 else None
+        if shape is None:
             # Left due: they are probed once the credit allows and a probe could pay again (the batch shrinks, the
             # costs drift).
             due = []
         if due:
+            assert shape is not None
+            size, depth = shape
             due.sort(key=lambda i: states[i].next_probe_step)
-            cost = self._probe_cost(len(states))
-            propose_cost = self._probe_propose_cost()
+            cost = self._probe_cost(len(states), size, depth)
+            propose_cost = self._probe_propose_cost(depth)
             for i in due:
                 if self._probe_credit < 0:
                     break
-                states[i].limit, states[i].probing = self.probe_size, True
+                states[i].limit, states[i].depth, states[i].probing = size, depth, True
                 states[i].next_probe_step = step_id + states[i].probe_interval
-                limits[i] = self.probe_size
+                limits[i] = size
                 # NOTE: only a step that runs probes and nothing else swaps its estimate for the measured seconds;
                 # a step with no drafts at all still measures the sleeping proposer's bookkeeping (~0.3 ms for
                 # EAGLE), which is no probe's cost: charged to the credit every step, it kept the credit negative
@@ -268,102 +311,131 @@ class SpecDecodePolicy:
                 self._charged += propose_cost
         return limits
 
-    def _decide_quietly(self, states: list[SpecRequestState], step_id: int) -> list[int]:
-        """`decide`, skipped while every request has been left out for less than QUIET_REDECIDE_INTERVAL steps
-        and nothing it depends on but the costs changed (at batch 1 a decision costs ~3% of a 5 ms step)."""
+    def _decide_quietly(self, states: list[SpecRequestState], step_id: int) -> tuple[list[int], list[int]]:
+        """`decide_shapes`, skipped while every request has been left out for less than QUIET_REDECIDE_INTERVAL
+        steps and nothing it depends on but the costs changed (at batch 1 a decision costs ~3% of a 5 ms step)."""
         quiet = self._quiet
         if quiet is not None and quiet[1] == len(states) and 0 <= step_id - quiet[0] < QUIET_REDECIDE_INTERVAL:
-            return [0] * len(states)
-        limits = self.decide([s.acceptance.effective(self.k) for s in states], len(states))
+            return [0] * len(states), [0] * len(states)
+        limits, depths = self.decide_shapes([s.acceptance.effective(self.k) for s in states], len(states))
         measured = self.proposer_cost.measured and not self.step_cost.empty
         self._quiet = (step_id, len(states)) if measured and not any(limits) else None
-        return limits
+        return limits, depths
 
     def num_to_verify(self, state: SpecRequestState, num_proposed: int) -> int:
         """How many of the drafts proposed after the last step this step verifies: at most the limit granted."""
         n = min(num_proposed, state.limit)
         state.verifying_probe = state.probing and n > 0
+        state.verified_depth = state.depth
         return n
 
-    def decide(self, acceptance: list[list[float]], num_decodes: int) -> list[int]:
-        """Drafts for each of `num_decodes` requests (acceptance[i]: request i's per-position estimate; a tree's:
-        per size, TreeAcceptance), best acceptance first, each charged the verification cost at the step's size so
-        far. 0 for all while the costs are not measured yet."""
+    def decide(self, acceptance: list, num_decodes: int) -> list[int]:
+        """Drafts (a tree's nodes) for each request: `decide_shapes`' first part."""
+        return self.decide_shapes(acceptance, num_decodes)[0]
+
+    def decide_shapes(self, acceptance: list, num_decodes: int) -> tuple[list[int], list[int]]:
+        """Drafts for each of `num_decodes` requests and, for trees, the levels to grow them to (0 for a chain or
+        none). acceptance[i]: request i's per-position estimate; a tree's: per depth and size, TreeAcceptance.
+        Requests go best acceptance first, each charged the verification cost at the step's size so far. 0 for all
+        while the costs are not measured yet."""
         plain = self.step_cost.seconds(num_decodes)
         out = [0] * len(acceptance)
+        depths = [0] * len(acceptance)
         if plain is None or not self.proposer_cost.measured or not acceptance:
-            return out
+            return out, depths
         share = plain / num_decodes
-        proposer = [self._propose_seconds(n) or 0.0 for n in range(self.k + 1)]
+        if self.tree:
+            grow = [self._tree_propose_seconds(d) or 0.0 for d in range(1, self.depth + 1)]
+            # A tree's best is bounded by its largest size at any depth.
+            bound = [max(row[-1] for row in acc) for acc in acceptance]
+        else:
+            proposer = [self._propose_seconds(n) or 0.0 for n in range(self.k + 1)]
+            bound = [acc[0] for acc in acceptance]  # a chain's first position bounds what it can earn
         num_tokens = num_decodes
-        # A chain's first position bounds what it can earn; a tree's largest size does.
-        first = -1 if self.tree else 0
-        order = sorted(range(len(acceptance)), key=lambda i: -acceptance[i][first])
-        extra: list[float] = []
-        extra_at = -1  # the step size `extra` was computed for: it changes only where a request gets drafts
+        order = sorted(range(len(acceptance)), key=lambda i: -bound[i])
+        verify: list[float] = []
+        verify_at = -1  # the step size `verify` was computed for: it changes only where a request gets drafts
         # Requests with the same estimates get the same answer at the same step size (at batch 64 most requests
         # that failed the same probes have the same estimates): the estimates refused at the current size.
-        refused: set[tuple[float, ...]] = set()
+        refused: set[tuple] = set()
         for i in order:
-            acc = acceptance[i] if self.tree else acceptance[i][: self.depth] + [0.0] * (self.k - self.depth)
-            if acc[first] <= 0.0:
+            if bound[i] <= 0.0:
                 break  # sorted: nobody after it can gain anything
-            key = tuple(acc)
+            acc = acceptance[i]
+            key = tuple(map(tuple, acc)) if self.tree else tuple(acc)
             if key in refused:
                 continue  # refused already at this step size
-            if extra_at != num_tokens:
+            if verify_at != num_tokens:
                 base = self.step_cost.seconds(num_tokens)
                 assert base is not None
-                extra = []
+                verify = []
                 for j in range(1, self.k + 1):
                     more = self.step_cost.seconds(num_tokens + j)
                     assert more is not None
-                    extra.append(max(0.0, more - base) + proposer[j])
-                extra_at = num_tokens
+                    verify.append(max(0.0, more - base))
+                verify_at = num_tokens
             if self.tree:
-                n = best_tree_size(acc, share, extra, MARGIN)
+                n, depths[i] = best_tree_shape(acc, share, verify, grow, MARGIN)
             else:
-                n = best_num_drafts(acc, share, extra, MARGIN)
+                acc = acc[: self.depth] + [0.0] * (self.k - self.depth)
+                n = best_num_drafts(acc, share, [v + p for v, p in zip(verify, proposer[1:], strict=True)], MARGIN)
             if n:
                 out[i] = n
                 num_tokens += n
                 refused.clear()  # the step grew: the refusals were at its old size
             else:
                 refused.add(key)
-        return out
+        return out, depths
 
-    def _probe_can_pay(self, num_decodes: int, step_id: int) -> bool:
-        """Whether drafts could pay at this batch size even if every one were accepted: a probe that cannot lead to
-        a grant only costs. (A 12-node tree at batch 8 or 64 on a 2-core CPU: its rows and drafting cost more than
-        the request's five tokens at best are worth.) True while the costs are not measured: probes measure them.
-        A "no" holds for QUIET_REDECIDE_INTERVAL steps at the same batch size (requests stay due meanwhile, and the
-        answer moves only with the costs)."""
+    def _probe_shape(self, num_decodes: int, step_id: int) -> tuple[int, int] | None:
+        """The probe to send, (drafts, a tree's depth), or None where no drafts could pay at this batch size even if
+        every one were accepted: a probe that cannot lead to a grant only costs. A chain's probe is one draft; a
+        tree's is the largest shape that could pay (a whole tree at batch 1; at batch 64 on a 2-core CPU, where 12
+        rows and 3 expansions cost more than five tokens are worth, the few nodes one level holds), since one
+        verified tree measures every shape it holds. A whole probe while the costs are not measured: probes measure
+        them. A "no" holds for QUIET_REDECIDE_INTERVAL steps at the same batch size (requests stay due meanwhile,
+        and the answer moves only with the costs)."""
         refused = self._probe_refused
         if refused is not None and refused[1] == num_decodes and 0 <= step_id - refused[0] < QUIET_REDECIDE_INTERVAL:
-            return False
-        can = self._probe_could_pay(num_decodes)
-        self._probe_refused = None if can else (step_id, num_decodes)
-        return can
+            return None
+        shape = self._probe_could_pay(num_decodes)
+        self._probe_refused = None if shape is not None else (step_id, num_decodes)
+        return shape
 
-    def _probe_could_pay(self, num_decodes: int) -> bool:
+    def _probe_could_pay(self, num_decodes: int) -> tuple[int, int] | None:
+        whole = (self.probe_size, self.depth)
         plain = self.step_cost.seconds(num_decodes)
         if plain is None or not self.proposer_cost.measured:
-            return True
+            return whole
         share = plain / num_decodes
-        for n in range(1, self.k + 1):
-            verify, propose = self._probe_verify_seconds(num_decodes, n), self._propose_seconds(n)
-            assert verify is not None and propose is not None
-            if (1 + min(n, self.depth)) * share > (1.0 + MARGIN) * (share + verify + propose):
-                return True
-        return False
+        verify = [self._probe_verify_seconds(num_decodes, n) or 0.0 for n in range(1, self.k + 1)]
 
-    def _probe_cost(self, num_decodes: int) -> float | None:
-        """The estimated cost of one probe: proposing it (`_probe_propose_cost`) and verifying as many more tokens
-        (a tree's: probe_size rows, which at batch 1 cost more than its drafting); None before measured."""
-        verify = self._probe_verify_seconds(num_decodes, self.probe_size)
-        if verify is None or self._propose_seconds(self.probe_size) is None:
+        def pays(tokens: int, seconds: float | None) -> bool:
+            assert seconds is not None
+            return (1 + tokens) * share > (1.0 + MARGIN) * (share + seconds)
+
+        if not self.tree:  # n drafts emit 1 + n at best
+            could = any(
+                pays(min(n, self.depth), verify[n - 1] + self._propose_seconds(n)) for n in range(1, self.k + 1)
+            )
+            return whole if could else None
+        best = None
+        for d in range(1, self.depth + 1):  # a tree of n nodes grown d deep emits 1 + min(n, d) at best
+            grow = self._tree_propose_seconds(d) or 0.0
+            cap = min(self.k, self.top_k + (d - 1) * self.top_k * self.top_k)
+            for n in range(1, cap + 1):
+                if pays(min(n, d), verify[n - 1] + grow):
+                    best = (n, d)
+        return best
+
+    def _probe_cost(self, num_decodes: int, size: int | None = None, depth: int | None = None) -> float | None:
+        """The estimated cost of one probe (`size` drafts, a tree grown `depth` deep; default a whole one): proposing
+        it (`_probe_propose_cost`) and verifying as many more tokens (a tree's rows, which at batch 1 cost more than
+        its drafting); None before measured."""
+        verify = self._probe_verify_seconds(num_decodes, size or self.probe_size)
+        if verify is None or not self.proposer_cost.measured:
             return None
-        return verify + self._probe_propose_cost()
+        return verify + self._probe_propose_cost(depth)
 
     def _probe_verify_seconds(self, num_decodes: int, num_more: int) -> float | None:
         """What verifying `num_more` drafts adds to a step of `num_decodes`, as a probe is charged: 0 beyond the
@@ -374,30 +446,43 @@ class SpecDecodePolicy:
         return self.step_cost.extra_seconds(num_decodes, num_more)
 
     def _propose_seconds(self, num_drafts: int) -> float | None:
-        """Proposing `num_drafts` drafts for one request (0: none); a tree of any size costs a whole tree's, since it
-        is grown with the same expansions whatever its size."""
-        if num_drafts and self.tree:
-            num_drafts = self.k
+        """Proposing a chain of `num_drafts` drafts for one request (0: none)."""
         return self.proposer_cost.seconds(num_drafts)
 
-    def _probe_propose_cost(self) -> float:
+    def _tree_propose_seconds(self, depth: int) -> float | None:
+        """Growing one request's tree `depth` levels deep: the pass (which gives the first level) and depth - 1
+        expansions, whatever its size (a tree proposer counts expansions as its draft tokens)."""
+        cost = self.proposer_cost
+        if cost.per_request.value is None:
+            return None
+        return cost.per_request.value + (depth - 1) * (cost.per_draft_token.value or 0.0)
+
+    def _probe_propose_cost(self, depth: int | None = None) -> float:
         """The proposer's part of a probe: its pass (twice: it also catches up on the positions skipped while the
-        request was left out) and one draft (a whole tree)."""
-        return (self._propose_seconds(self.probe_size) or 0.0) + (self.proposer_cost.per_request.value or 0.0)
+        request was left out) and one draft (a tree grown `depth` deep, default a whole one)."""
+        one = self._tree_propose_seconds(depth or self.depth) if self.tree else self._propose_seconds(self.probe_size)
+        return (one or 0.0) + (self.proposer_cost.per_request.value or 0.0)
 
     # ------------------------------------------------------------------ measurements
 
     def observe_verification(
-        self, state: SpecRequestState, num_drafts: int, num_accepted: int, path: list[int] | None = None
+        self,
+        state: SpecRequestState,
+        num_drafts: int,
+        num_accepted: int,
+        path: list[int] | None = None,
+        depths: list[int] | None = None,
     ) -> None:
         """A step verified `num_drafts` of the request's drafts and accepted the first `num_accepted` (a tree:
-        `num_drafts` nodes and the accepted path's node indices, `num_accepted` of them: `accepted_nodes`)."""
+        `num_drafts` nodes, the accepted path's node indices, `num_accepted` of them (`accepted_nodes`), and the
+        verified nodes' depths (`node_depths`))."""
         self._quiet = None
         if isinstance(state.acceptance, TreeAcceptance):
-            assert path is not None, "a tree's verification comes with its accepted path"
-            state.acceptance.observe(num_drafts, path)
+            assert path is not None and depths is not None, "a tree's verification comes with its path and depths"
+            grown = state.verified_depth or self.depth
+            state.acceptance.observe(depths, path, grown)
             assert isinstance(self.engine_acceptance, TreeAcceptance)
-            self.engine_acceptance.observe(num_drafts, path)
+            self.engine_acceptance.observe(depths, path, grown)
         else:
             assert isinstance(state.acceptance, Acceptance) and isinstance(self.engine_acceptance, Acceptance)
             state.acceptance.observe(num_drafts, num_accepted)

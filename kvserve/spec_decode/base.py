@@ -40,6 +40,8 @@ class DraftStepInputs:
     # [R] per step request: the policy gives it drafts (limit > 0). A model proposer runs over the others' positions
     # only once they are given drafts again (it catches up then); None: all of them.
     awake: np.ndarray | None = None
+    # [S] draft trees: the levels to grow each request's tree to (the policy's; 0: tree_depth). None: all at tree_depth.
+    max_depths: np.ndarray | None = None
 
 
 @dataclass

@@ -11,8 +11,9 @@ contiguous run of slots past the root (root .. root + closure - 1), within the s
 (SpeculativeConfig.num_lookahead_slots); their outputs equal the earlier expansions' (same inputs, same visible
 keys). Those slots are past the request's computed tokens, so later steps overwrite them, as the chain's.
 
-Requests are grown one after another (each expansion is one head forward per request); a request with too few
-slots for the full depth grows a shallower tree. A constrained request (structured outputs) grows its tree as any
+Requests are grown one after another (each expansion is one head forward per request), each to the depth the
+speculation policy gave it (DraftStepInputs.max_depths); a request with too few slots for the full depth grows a
+shallower tree. A constrained request (structured outputs) grows its tree as any
 other: the scheduler masks each node's row by its path (structured_output/matcher.py), so a node the grammar
 refuses is never accepted.
 """
@@ -50,20 +51,23 @@ def propose_trees(proposer: EagleProposer, step: DraftStepInputs, depth: int, to
     assert logits is not None and features is not None
     root_values, root_ids = _top_log_probs(proposer, logits, top_k)  # [S, top_k] (draft vocabulary columns if set)
     limits = np.minimum(step.max_drafts, proposer.k)
+    depths = np.full(num_s, depth) if step.max_depths is None else np.where(step.max_depths > 0, step.max_depths, depth)
     drafts: list[list[int]] = []
     parents: list[list[int]] = []
+    num_expansions = 0
     started = time.perf_counter()
     for i, state in enumerate(step.states[j] for j in idx.tolist()):
         proposer.forget_pending(state.req_id)
         room = int(capacity[i] - next_pos[i])
         # Expansion e feeds at most e * top_k nodes: the deepest, depth - 1, needs that many slots past the root.
-        fits = min(depth, 1 + room // top_k)
+        fits = min(depth, int(depths[i]), 1 + room // top_k)
         if limits[i] <= 0 or room <= 0:
             drafts.append([])
             parents.append([])
             continue
         grower = _Expander(proposer, batch.block_table[rows[i]], int(next_pos[i]), features[i], top_k)
         tree = grow_eagle2_tree((root_values[i], root_ids[i]), grower.expand, fits, top_k, int(limits[i]))
+        num_expansions += grower.num_expansions
         drafts.append(grower.full_ids(tree.tokens).tolist())
         parents.append(tree.parents.tolist())
     return DraftProposal(
@@ -71,9 +75,9 @@ def propose_trees(proposer: EagleProposer, step: DraftStepInputs, depth: int, to
         [None] * num_s,
         num_pass_requests=len(step.rows),
         draft_seconds=time.perf_counter() - started,
-        # NOTE: a tree's expansions are the same whatever its node budget (it is grown whole, then cut), so the
-        # policy costs every tree as one of K nodes (core/spec_policy.py): K draft tokens per tree grown.
-        num_draft_tokens=proposer.k * sum(1 for d in drafts if d),
+        # NOTE: a tree's drafting is its expansions (one head forward each), the same whatever its node budget: the
+        # policy costs a tree d levels deep as d - 1 of them (core/spec_policy.py).
+        num_draft_tokens=num_expansions,
         parents=parents,
     )
 
@@ -95,6 +99,7 @@ class _Expander:
         self.root_pos = root_pos
         self.root_feature = root_feature
         self.features: dict[int, torch.Tensor] = {}  # pool node -> the head's output at it (its children's feature)
+        self.num_expansions = 0
         # Draft-vocabulary column -> full id, copied to the host once per tree rather than once per expansion.
         vocab = proposer.draft_vocab
         self.vocab_ids = None if vocab is None else vocab.token_ids.cpu().numpy().astype(np.int64)
@@ -105,6 +110,7 @@ class _Expander:
 
     def expand(self, pool: DraftTree, frontier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         proposer = self.proposer
+        self.num_expansions += 1
         closure: set[int] = set()
         for f in frontier.tolist():
             while f >= 0 and f not in closure:

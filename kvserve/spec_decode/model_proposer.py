@@ -342,6 +342,7 @@ class ModelProposer(Proposer):
             np.array([where[int(step.sample_idx[j])] for j in kept.tolist()], dtype=np.int64),
             step.max_drafts[kept],
             None,
+            None if step.max_depths is None else step.max_depths[kept],
         )
         return sub, kept
 

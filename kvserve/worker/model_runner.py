@@ -511,7 +511,10 @@ class ModelRunner:
             step_seconds = time.perf_counter() - launched.started
             started = time.perf_counter()
             with self.timer.phase("propose"):
-                spec_token_ids, proposal = self._propose(step, launched.hidden, launched.so.spec_draft_limits)
+                so = launched.so
+                spec_token_ids, proposal = self._propose(
+                    step, launched.hidden, so.spec_draft_limits, so.spec_tree_depths
+                )
             propose_seconds = time.perf_counter() - started
             spec_timing = SpecStepTiming(step_seconds)
             if proposal is not None:
@@ -570,10 +573,11 @@ class ModelRunner:
         apply_grammar_bitmask(logits, rows, used, so.grammar_bitmask, so.grammar_bitmask_words)
 
     def _propose(
-        self, step: StepInputs, hidden: torch.Tensor, limits: dict[str, int]
+        self, step: StepInputs, hidden: torch.Tensor, limits: dict[str, int], depths: dict[str, int]
     ) -> tuple[list[list[int]], DraftProposal | None]:
-        """Drafts for the step's sampling requests, each at most its limit (absent: K); a request at 0 is left out
-        of the proposer (a model proposer still sees it, to catch up later). Also the proposal (its costs)."""
+        """Drafts for the step's sampling requests, each at most its limit (absent: K), a tree at most its depth
+        (absent: tree_depth); a request at 0 is left out of the proposer (a model proposer still sees it, to catch
+        up later). Also the proposal (its costs)."""
         proposer = self.proposer
         assert proposer is not None
         drafts: list[list[int]] = [[] for _ in step.req_ids]
@@ -608,6 +612,7 @@ class ModelRunner:
                 drafted_idx,
                 max_drafts,
                 awake,
+                None if not depths else np.array([depths.get(step.req_ids[i], 0) for i in drafted_idx.tolist()]),
             )
         )
         for i, d in zip(drafted_idx.tolist(), proposal.drafts, strict=True):

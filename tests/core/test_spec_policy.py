@@ -201,23 +201,31 @@ def test_a_quiet_decision_is_reused_until_something_it_depends_on_changes():
     assert policy.grant([state, other], [True, True], 2) == [K, K]
 
 
-def test_a_trees_acceptance_is_learnt_per_size_from_its_accepted_path():
+def test_a_trees_acceptance_is_learnt_per_depth_and_size_from_its_accepted_path():
     """Nodes are in rank order, so a tree cut to its best n nodes would have accepted the verified path's nodes
-    below n: one verified tree of 8 nodes with path 0 -> 2 -> 5 measures every size up to 8."""
-    acc = TreeAcceptance(8, 4, 1.0)  # weight 1: the values are the last observation
-    assert acc.values[:5] == pytest.approx([0.5, 0.75, 0.875, 0.9375, 0.9375])  # the prior, per level reached
-    acc.observe(8, [0, 2, 5])
-    assert acc.values == [1, 1, 2, 2, 2, 3, 3, 3]
-    acc.observe(4, [])  # a smaller tree measures only its sizes; larger ones keep theirs
-    assert acc.values == [0, 0, 0, 0, 2, 3, 3, 3] and acc.num_observed == 8
-    half = TreeAcceptance(3, 3, 0.5, start=acc)
-    half.observe(3, [1])
-    assert half.values == [0, 0.5, 0.5]
-    assert TreeAcceptance(3, 3, 1.0, start=half).effective(3) == [0, 0.5, 0.5]
-    assert TreeAcceptance(4, 4, 1.0, start=TreeAcceptance(4, 4, 1.0)).effective(4)[-1] == pytest.approx(0.9375)
-    lengths = TreeAcceptance(4, 4, 1.0)
-    lengths.values = [1.0, 0.0, 2.0, 1.0]
-    assert lengths.effective(4) == [1.0, 1.0, 2.0, 2.0]  # a larger tree holds the smaller one
+    below n; a tree grown d levels deep is the deeper tree's nodes of depth <= d in the same order. One verified
+    tree of 8 nodes grown 3 deep with path 0 -> 2 -> 5 measures every size at depths 1 to 3."""
+    acc = TreeAcceptance(8, 4, 4, 1.0)  # weight 1: the values are the last observation
+    assert acc.values[3][:5] == pytest.approx([0.5, 0.75, 0.875, 0.9375, 0.9375])  # the prior, per level reached
+    assert acc.values[0] == [0.5] * 4  # one level holds top_k = 4 nodes at most
+    depths = [1, 1, 2, 1, 2, 3, 2, 3]
+    acc.observe(depths, [0, 2, 5], 3)
+    assert acc.values[2] == [1, 1, 2, 2, 2, 3, 3, 3]
+    # Depth 2 holds nodes 0 1 2 3 4 6 (ranks 0-5): the path's first two nodes are ranks 0 and 2; sizes 7 and 8 of
+    # a depth-2 tree hold nodes this tree did not verify, so they keep their prior.
+    assert acc.values[1] == pytest.approx([1, 1, 2, 2, 2, 2, 0.75, 0.75])
+    assert acc.values[0] == pytest.approx([1, 1, 1, 0.5])  # nodes 0 1 3
+    assert acc.values[3][:5] == pytest.approx([0.5, 0.75, 0.875, 0.9375, 0.9375])  # not grown that deep
+    acc.observe([1, 1, 2, 1], [], 3)  # a smaller tree measures only its sizes; larger ones keep theirs
+    assert acc.values[2] == [0, 0, 0, 0, 2, 3, 3, 3] and acc.num_observed == 8
+    assert acc.values[0][:3] == [0, 0, 0]
+    half = TreeAcceptance(3, 2, 4, 0.5, start=acc)
+    assert half.values == [[0, 0, 0], [0, 0, 0]]
+    half.observe([1, 2, 1], [0, 1], 2)
+    assert half.values == [[0.5, 0.5, 0], [0.5, 1.0, 1.0]]  # depth 1 held two of its nodes
+    lengths = TreeAcceptance(4, 1, 4, 1.0)
+    lengths.values = [[1.0, 0.0, 2.0, 1.0]]
+    assert lengths.effective(4) == [[1.0, 1.0, 2.0, 2.0]]  # a larger tree holds the smaller one
 
 
 def test_accepted_nodes_follows_the_emitted_tokens_through_the_tree():
@@ -235,25 +243,51 @@ def test_a_tree_gets_the_size_with_the_best_rate_and_probes_are_whole_trees():
     whole trees, and one accepted level makes a probe a success."""
     tree = SpeculativeConfig("eagle", 8, tree_depth=2, tree_topk=4, tree_num_nodes=8)
     policy = _measured_policy(tree, 17.0, 0.3, 0.0)
-    lengths = [0.6, 0.8, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5]
+    lengths = [[0.6] * 8, [0.6, 0.8, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5]]
     assert policy.decide([lengths], 1) == [3]  # 2.5 tokens for 18.2 ms: more nodes cost rows and earn nothing
-    assert policy.decide([[0.05] * 8], 1) == [0]
+    assert policy.decide([[[0.05] * 8] * 2], 1) == [0]
     # The step grows as requests get nodes: the second is charged the rows after the first's.
-    assert policy.decide([[0.05] * 8, lengths, [1.6] * 8], 2) == [0, 3, 1]  # the best last value goes first
-    # A whole tree is costed for any size: with 5 ms of drafting a single node no longer pays.
+    assert policy.decide([[[0.05] * 8] * 2, lengths, [[1.0] * 8, [1.6] * 8]], 2) == [0, 3, 1]  # best goes first
+    # An expansion costs whatever the size: with 5 ms for it, the second level does not pay for itself here (2.4
+    # tokens for 22.9 ms against 2 for 17.9 ms at depth 1).
     costly = _measured_policy(tree, 17.0, 0.3, 0.0)
     for _ in range(2):
-        costly.observe_step(1, True, 17 * MS, 0.0, 1, 5 * MS, 8)
-    assert costly.decide([[0.3] + [1.6] * 7], 1) == [2]
-    assert costly.decide([[0.3] * 8], 1) == [0]
+        costly.observe_step(1, True, 17 * MS, 0.0, 1, 5 * MS, 1)
+    assert costly.decide_shapes([[[0.3] + [1.0] * 7, [0.3] + [1.4] * 7]], 1) == ([2], [1])
+    assert costly.decide_shapes([[[0.3] * 8] * 2], 1) == ([1], [1])  # one level needs no expansion
+    assert costly.decide([[[0.04] * 8] * 2], 1) == [0]
     bad = policy.new_state(0)
     for _ in range(10):
-        policy.observe_verification(bad, 8, 0, [])
+        policy.observe_verification(bad, 8, 0, [], [1] * 4 + [2] * 4)
     assert policy.grant([bad], [True], MIN_PROBE_INTERVAL) == [8]  # a whole tree
+    assert bad.depth == 2
     assert policy.num_to_verify(bad, 8) == 8 and bad.verifying_probe
-    policy.observe_verification(bad, 8, 1, [4])
+    policy.observe_verification(bad, 8, 1, [3], [1] * 4 + [2] * 4)
     assert bad.probe_interval == MIN_PROBE_INTERVAL
-    assert bad.acceptance.values[3] < bad.acceptance.values[4]  # only sizes from 5 on held node 4
+    assert bad.acceptance.values[1][2] < bad.acceptance.values[1][3]  # only sizes from 4 on held node 3
+
+
+def test_a_tree_is_grown_as_deep_as_pays():
+    """A tree's last level costs an expansion (1 ms here, on a 6 ms step with verified rows at 0.1 ms): where the
+    third level adds little to the accepted path, the policy grows two levels and sends that depth with the limit;
+    where it adds enough, three. The verified tree's depth is what its observation measures."""
+    tree = SpeculativeConfig("eagle", 8, tree_depth=3, tree_topk=4, tree_num_nodes=8)
+    policy = _measured_policy(tree, 6.0, 0.1, 0.2)
+    for _ in range(2):
+        policy.observe_step(1, True, 6 * MS, 0.2 * MS, 1, 2 * MS, 2)  # two expansions: 1 ms each
+    shallow = [[0.6] * 8, [0.6, 0.9, 1.1, 1.2, 1.2, 1.2, 1.2, 1.2], [0.6, 0.9, 1.1, 1.2, 1.25, 1.3, 1.3, 1.3]]
+    deep = [shallow[0], shallow[1], [0.6, 0.9, 1.1, 1.2, 1.6, 1.9, 2.0, 2.0]]
+    assert policy.decide_shapes([shallow], 1) == ([4], [2])
+    assert policy.decide_shapes([deep], 1) == ([7], [3])
+    state = policy.new_state(0)
+    state.acceptance.values = [list(row) for row in shallow]
+    state.next_probe_step = 10**6
+    assert policy.grant([state], [True], 1) == [4] and state.depth == 2
+    assert policy.num_to_verify(state, 4) == 4 and state.verified_depth == 2
+    before = [list(row) for row in state.acceptance.values]
+    policy.observe_verification(state, 4, 2, [0, 2], [1, 1, 2, 1])
+    assert state.acceptance.values[2] == before[2]  # a depth-2 tree says nothing of depth 3
+    assert state.acceptance.values[1][:4] != before[1][:4]
 
 
 def test_requests_due_together_are_probed_a_few_at_a_time():
@@ -298,19 +332,25 @@ def test_a_probe_is_charged_its_verification_only_where_steps_that_size_were_mea
 
 
 def test_nobody_is_probed_where_drafts_could_not_pay_even_if_all_were_accepted():
-    """A 12-node tree of depth 4 emits 5 tokens at best. At batch 64 on a compute-bound curve (0.3 ms a token) its
-    12 rows and 4 ms of drafting cost far more than that is worth, so probing it only costs; at batch 1 it could
-    pay, and probes run. A chain's single draft can still pay at batch 64, so the chain keeps probing there."""
-    tree = SpeculativeConfig("eagle", 12, tree_depth=4, tree_topk=4)
-    for config, draft_ms, probes_at_64 in ((tree, 4.0, False), (SpeculativeConfig("eagle", K), 0.1, True)):
-        policy = _measured_policy(config, 17.0, 0.3, 0.1)
-        for _ in range(2):  # each drafted token: 0.33 ms in the tree, 0.025 ms in the chain
-            policy.observe_step(1, True, 17 * MS, 0.1 * MS, 1, draft_ms * MS, config.num_speculative_tokens)
+    """A tree of n nodes grown d deep emits 1 + min(n, d) tokens at best. At batch 64 on a compute-bound curve (0.3
+    ms a token against a 0.56 ms share) with a 0.6 ms pass and 0.33 ms an expansion, no shape could pay, so probing
+    only costs and nobody is probed; at batch 1 a whole tree could pay, and is the probe. With a 0.1 ms pass, a tree
+    of 2 nodes 2 levels deep could pay at batch 64: the probe is that shape, not a whole tree. A chain's single draft
+    can pay at batch 64, so the chain keeps probing there."""
+    tree, chain = SpeculativeConfig("eagle", 12, tree_depth=4, tree_topk=4), SpeculativeConfig("eagle", K)
+    for config, pass_ms, draft_ms, probe_at_64 in ((tree, 0.6, 4.0, None), (tree, 0.1, 4.0, 2), (chain, 0.1, 0.1, 1)):
+        policy = _measured_policy(config, 17.0, 0.3, pass_ms)
+        for _ in range(2):  # 12 expansions in 4 ms for the tree, 4 drafted tokens in 0.1 ms for the chain
+            policy.observe_step(1, True, 17 * MS, pass_ms * MS, 1, draft_ms * MS, config.num_speculative_tokens)
         states = [policy.new_state(0) for _ in range(64)]
         for _ in range(200):  # the credit is full
             policy.observe_step(64, True, 36 * MS, 0.0, 0, 0.0, 0)
-        assert (sum(policy.grant(states, [True] * 64, MIN_PROBE_INTERVAL)) > 0) == probes_at_64
-        if not probes_at_64:  # still due: probed as soon as they could pay
+        granted = policy.grant(states, [True] * 64, MIN_PROBE_INTERVAL)
+        assert {n for n in granted if n} == (set() if probe_at_64 is None else {probe_at_64})
+        if probe_at_64 is None:  # still due: probed as soon as they could pay
             assert all(s.next_probe_step == MIN_PROBE_INTERVAL for s in states)
+        elif config.tree:
+            assert {s.depth for s in states if s.probing} == {2}
         alone = policy.new_state(0)
         assert policy.grant([alone], [True], MIN_PROBE_INTERVAL)[0] > 0  # at batch 1 it can pay
+        assert policy._probe_could_pay(1) == ((12, 4) if config.tree else (1, K))  # a whole tree probes there

@@ -168,10 +168,11 @@ def watch_tree_paths(monkeypatch) -> list[tuple[int, int]]:
             assert node < len(draft_ids) and parents[node] == parent and draft_ids[node] == emitted[d], path
         return path
 
-    def checked(self, state, num_drafts, num_accepted, path=None):
+    def checked(self, state, num_drafts, num_accepted, path=None, depths=None):
         assert path is not None and len(path) == num_accepted, (path, num_accepted)
-        seen.append((num_drafts, num_accepted))
-        observe(self, state, num_drafts, num_accepted, path)
+        assert depths is not None and len(depths) == num_drafts and all(depths[j] == d for d, j in enumerate(path, 1))
+        seen.append((num_drafts, num_accepted, max(depths)))
+        observe(self, state, num_drafts, num_accepted, path, depths)
 
     monkeypatch.setattr(scheduler_module, "accepted_nodes", found)
     monkeypatch.setattr(SpecDecodePolicy, "observe_verification", checked)
@@ -184,7 +185,37 @@ def test_the_scheduler_finds_each_accepted_path(target_path, fitted_head, plain,
     prompts = copy_prompts(2, 5)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     assert token_ids(llm, prompts, params) == token_ids(plain, prompts, params)
-    assert any(a > 1 for _, a in seen), seen
+    assert any(a > 1 for _, a, _ in seen), seen
+
+
+def test_the_policys_depth_reaches_the_proposer(target_path, fitted_head, plain, monkeypatch):
+    """The policy grows each tree to the depth it grants (here always 2 of the config's 3 levels, every node it
+    may): the trees verified hold no deeper node, each costs the policy one expansion, and the output is
+    speculation off's."""
+    seen = watch_tree_paths(monkeypatch)
+    monkeypatch.setattr(SpecDecodePolicy, "decide_shapes", lambda self, acc, n: ([self.k] * len(acc), [2] * len(acc)))
+    expansions = []
+    observe_step = SpecDecodePolicy.observe_step
+
+    def watched(self, *args):
+        expansions.append(args[-1])
+        observe_step(self, *args)
+
+    monkeypatch.setattr(SpecDecodePolicy, "observe_step", watched)
+    llm = LLM(
+        target_path,
+        dtype="float32",
+        max_model_len=256,
+        speculative_config=tree_config(fitted_head, adaptive=True),
+    )
+    prompts = copy_prompts(2, 5)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    assert token_ids(llm, prompts, params) == token_ids(plain, prompts, params)
+    regular = [s for s in seen if s[2] < TREE["tree_depth"]]
+    assert regular and all(depth <= 2 for _, _, depth in regular), seen
+    assert any(a > 1 for _, a, _ in regular)
+    assert set(expansions) <= {0, 1, 2}, expansions  # one expansion a tree, two requests
+    assert_all_blocks_free(llm)
 
 
 def test_adaptive_policy_runs_with_trees(target_path, fitted_head, plain, monkeypatch):
