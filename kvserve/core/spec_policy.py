@@ -217,8 +217,8 @@ class SpecDecodePolicy:
         self.k = config.num_speculative_tokens
         # Drafts that can be accepted in one step: K for a chain, tree_depth for a tree of K nodes (its accepted
         # path is one root-to-leaf walk). A tree of n nodes grown d levels deep is its best n (spec_decode/tree.py):
-        # its proposing costs the d - 1 expansions whatever n, its verification n rows. Its probes are whole trees
-        # (K nodes, tree_depth levels), which measure every shape at once.
+        # its proposing costs the d - 1 expansions whatever n, its verification n rows. Its probe is the largest
+        # shape that could pay (`_probe_shape`; at batch 1 a whole tree), which measures every shape it holds.
         self.tree = config.tree
         self.depth = config.tree_depth if config.tree_depth is not None else self.k
         self.top_k = config.tree_topk or 1
