@@ -188,6 +188,10 @@ def test_the_scheduler_finds_each_accepted_path(target_path, fitted_head, plain,
     assert any(a > 1 for _, a, _ in seen), seen
 
 
+def adaptive_tree_llm(target_path: str, head: str) -> LLM:
+    return LLM(target_path, dtype="float32", max_model_len=256, speculative_config=tree_config(head, adaptive=True))
+
+
 def test_the_policys_depth_reaches_the_proposer(target_path, fitted_head, plain, monkeypatch):
     """The policy grows each tree to the depth it grants (here always 2 of the config's 3 levels, every node it
     may): the trees verified hold no deeper node, each costs the policy one expansion, and the output is
@@ -202,31 +206,22 @@ def test_the_policys_depth_reaches_the_proposer(target_path, fitted_head, plain,
         observe_step(self, *args)
 
     monkeypatch.setattr(SpecDecodePolicy, "observe_step", watched)
-    llm = LLM(
-        target_path,
-        dtype="float32",
-        max_model_len=256,
-        speculative_config=tree_config(fitted_head, adaptive=True),
-    )
+    llm = adaptive_tree_llm(target_path, fitted_head)
     prompts = copy_prompts(2, 5)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     assert token_ids(llm, prompts, params) == token_ids(plain, prompts, params)
-    regular = [s for s in seen if s[2] < TREE["tree_depth"]]
-    assert regular and all(depth <= 2 for _, _, depth in regular), seen
-    assert any(a > 1 for _, a, _ in regular)
-    assert set(expansions) <= {0, 1, 2}, expansions  # one expansion a tree, two requests
+    assert seen and all(depth <= 2 for _, _, depth in seen), seen  # every request gets drafts: no probes
+    assert any(a > 1 for _, a, _ in seen)
+    # One expansion a tree, two requests: what shows the depth (a tree grown 3 deep here seldom keeps a third-level
+    # node among its best 6, so the verified depths alone would not).
+    assert set(expansions) <= {0, 1, 2}, expansions
     assert_all_blocks_free(llm)
 
 
 def test_adaptive_policy_runs_with_trees(target_path, fitted_head, plain, monkeypatch):
     """The policy sizes each tree (a prefix of its rank-ordered nodes)."""
     seen = watch_tree_paths(monkeypatch)
-    llm = LLM(
-        target_path,
-        dtype="float32",
-        max_model_len=256,
-        speculative_config=tree_config(fitted_head, adaptive=True),
-    )
+    llm = adaptive_tree_llm(target_path, fitted_head)
     prompts = copy_prompts(3, 21)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     assert token_ids(llm, prompts, params) == token_ids(plain, prompts, params)
