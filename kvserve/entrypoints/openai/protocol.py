@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from kvserve.utils import random_uuid
@@ -118,6 +119,13 @@ class SamplingFields(OpenAIModel):
 
     @model_validator(mode="after")
     def _check_stop(self) -> SamplingFields:
+        if self.kv_transfer_params is not None:
+            # It crosses to the engine process as msgpack (engine/messages.py): what cannot be encoded there (an
+            # int beyond 64 bits, a lone surrogate) is the client's error, not a 500.
+            try:
+                msgspec.msgpack.encode(self.kv_transfer_params)
+            except (msgspec.EncodeError, OverflowError, TypeError, UnicodeEncodeError) as e:
+                raise ValueError(f"kv_transfer_params cannot be sent to the engine: {e}") from None
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+from pydantic import ValidationError
+
 from kvserve.entrypoints.openai.protocol import CompletionRequest
 from kvserve.entrypoints.openai.serving_common import to_sampling_params
 
@@ -46,3 +49,11 @@ def test_cancelled_handler_cancels_its_work():
         return state["work"]
 
     assert asyncio.run(scenario()) == "cancelled"
+
+
+@pytest.mark.parametrize("params", [{"a": [{}, -(2**127)]}, {"b": 2**64}, {"\udaf0": 1}])
+def test_kv_transfer_params_the_engine_wire_cannot_carry_are_a_client_error(params):
+    """Found by the fuzzer: an int past 64 bits reached msgpack in the engine client and came back as a 500."""
+    with pytest.raises(ValidationError, match="kv_transfer_params"):
+        CompletionRequest(prompt="x", kv_transfer_params=params)
+    assert CompletionRequest(prompt="x", kv_transfer_params={"a": [2**63 - 1, -(2**63), "ok"]}).kv_transfer_params
